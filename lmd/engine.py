@@ -1,0 +1,146 @@
+"""The Engine interface: token ids in, token ids out.
+
+Both engines (``lmd.pytorch_backend`` and ``lmd.turbomind``) implement ``Engine``.
+Everything about text (templates, detokenization, stop strings, ``n``) lives in
+``AsyncEngine`` above, once.
+
+Threading contract: an engine runs its batching loop in its own thread.
+``add_request``, ``abort`` and ``end`` may be called from any thread and never
+block on a model step. ``add_request`` validates the request at once and raises
+``ValueError`` with a clear message; a request it accepted always ends with
+exactly one ``EngineOutput`` whose ``finish_reason`` is set. Callbacks run on the
+engine thread and must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .messages import FinishReason, GenerationConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the engine needs to pick tokens; built from a ``GenerationConfig`` with ids resolved."""
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0            # 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    random_seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()   # eos ids included unless ignore_eos
+    bad_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None            # None: none; k: the chosen token's and the top-k alternatives'
+
+    @staticmethod
+    def from_generation_config(gen: GenerationConfig, eos_token_ids: tuple[int, ...] = (),
+                               bad_token_ids: tuple[int, ...] = (), seed: int | None = None) -> 'SamplingParams':
+        stop = tuple(gen.stop_token_ids or ())
+        if not gen.ignore_eos:
+            stop = stop + tuple(t for t in eos_token_ids if t not in stop)
+        return SamplingParams(
+            max_new_tokens=gen.max_new_tokens,
+            min_new_tokens=gen.min_new_tokens,
+            greedy=gen.greedy,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            min_p=gen.min_p,
+            repetition_penalty=gen.repetition_penalty,
+            presence_penalty=gen.presence_penalty,
+            frequency_penalty=gen.frequency_penalty,
+            random_seed=gen.random_seed if seed is None else seed,
+            stop_token_ids=stop,
+            bad_token_ids=tuple(gen.bad_token_ids or ()) + tuple(bad_token_ids),
+            logprobs=gen.logprobs,
+        )
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request.
+
+    An interactive session keeps its tokens and KV cache after a turn when
+    ``sequence_end`` is False; the next request with the same ``session_id`` and
+    ``sequence_start=False`` brings only the new prompt tokens of its turn.
+    """
+    session_id: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sequence_start: bool = True
+    sequence_end: bool = True
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """New tokens of one request since its last output; ``finish_reason`` is set on its last."""
+    session_id: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[dict[int, float], ...] | None = None  # one {token_id: logprob} per new token
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0   # tokens in the context before generation (a session's history included)
+    num_cached_tokens: int = 0   # of those, how many came from the prefix cache or the session's kept cache
+    error: str | None = None     # set with finish_reason 'error'
+
+
+OutputCallback = Callable[[EngineOutput], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0      # free but holding a reusable prefix
+    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, all time
+    num_prefix_query_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        used = self.num_total_blocks - self.num_free_blocks - self.num_cached_blocks
+        return used / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the layers above an engine need to know of the model it runs."""
+    vocab_size: int
+    session_len: int
+    eos_token_ids: tuple[int, ...]
+    architecture: str
+
+
+class Engine(ABC):
+    """A running inference engine; see the module docstring for the threading contract."""
+
+    model_info: ModelInfo
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
+        """Queue a request; raise ``ValueError`` at once if it cannot be served."""
+
+    @abstractmethod
+    def abort(self, session_id: int) -> None:
+        """Stop a request; its last output has finish_reason 'abort'. Unknown ids are ignored."""
+
+    @abstractmethod
+    def end(self, session_id: int) -> None:
+        """Forget an interactive session and free its KV cache (aborting a running turn)."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine thread; pending requests finish with 'abort'."""

@@ -1,0 +1,227 @@
+"""The configs and results users pass to and get from lmd (LMDeploy's names).
+
+Every config validates itself in ``__post_init__`` and raises ``ValueError``
+naming the field, the value it got and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal['stop', 'length', 'abort', 'error']
+
+
+def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f'{cls}.{name}={value!r} is invalid: {allowed}')
+
+
+def _check_range(cls: str, name: str, value, lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
+    if integer and (isinstance(value, bool) or not isinstance(value, int)):
+        _fail(cls, name, value, 'expected an integer')
+    if not integer and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        _fail(cls, name, value, 'expected a number')
+    if value != value:  # NaN
+        _fail(cls, name, value, 'expected a number, got NaN')
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        _fail(cls, name, value, f'must be {">" if lo_open else ">="} {lo}')
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        _fail(cls, name, value, f'must be {"<" if hi_open else "<="} {hi}')
+
+
+def _check_choice(cls: str, name: str, value, choices):
+    if value not in choices:
+        _fail(cls, name, value, f'allowed values are {", ".join(repr(c) for c in choices)}')
+
+
+def _as_str_list(cls: str, name: str, value) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        _fail(cls, name, value, 'expected a string or a list of non-empty strings')
+    return list(value)
+
+
+def _as_int_list(cls: str, name: str, value) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        _fail(cls, name, value, 'expected a token id or a list of non-negative token ids')
+    return list(value)
+
+
+@dataclass
+class GenerationConfig:
+    """How to generate: LMDeploy's fields and defaults (greedy unless ``do_sample``)."""
+    n: int = 1
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    response_format: dict | None = None
+
+    def __post_init__(self):
+        c = 'GenerationConfig'
+        _check_range(c, 'n', self.n, lo=1, integer=True)
+        _check_range(c, 'max_new_tokens', self.max_new_tokens, lo=0, integer=True)
+        _check_range(c, 'min_new_tokens', self.min_new_tokens, lo=0, integer=True)
+        if self.min_new_tokens > self.max_new_tokens:
+            _fail(c, 'min_new_tokens', self.min_new_tokens, f'must be <= max_new_tokens ({self.max_new_tokens})')
+        if not isinstance(self.do_sample, bool):
+            _fail(c, 'do_sample', self.do_sample, 'expected True or False')
+        _check_range(c, 'temperature', self.temperature, lo=0.0, hi=100.0)
+        _check_range(c, 'top_p', self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_range(c, 'top_k', self.top_k, lo=0, integer=True)
+        _check_range(c, 'min_p', self.min_p, lo=0.0, hi=1.0)
+        _check_range(c, 'repetition_penalty', self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_range(c, 'presence_penalty', self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_range(c, 'frequency_penalty', self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.random_seed is not None:
+            _check_range(c, 'random_seed', self.random_seed, lo=0, hi=2**64 - 1, integer=True)
+        if self.logprobs is not None:
+            _check_range(c, 'logprobs', self.logprobs, lo=0, hi=20, integer=True)
+        self.stop_words = _as_str_list(c, 'stop_words', self.stop_words)
+        self.bad_words = _as_str_list(c, 'bad_words', self.bad_words)
+        self.stop_token_ids = _as_int_list(c, 'stop_token_ids', self.stop_token_ids)
+        self.bad_token_ids = _as_int_list(c, 'bad_token_ids', self.bad_token_ids)
+        if self.response_format is not None and not isinstance(self.response_format, dict):
+            _fail(c, 'response_format', self.response_format, 'expected a dict like {"type": "json_object"}')
+
+    @property
+    def greedy(self) -> bool:
+        """Sampling reduces to argmax: no sampling asked, zero temperature, or top_k 1."""
+        return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+
+    def replace(self, **changes) -> 'GenerationConfig':
+        return dataclasses.replace(self, **changes)
+
+
+def _check_engine_common(c: str, cfg) -> None:
+    if cfg.session_len is not None:
+        _check_range(c, 'session_len', cfg.session_len, lo=1, integer=True)
+    _check_range(c, 'max_batch_size', cfg.max_batch_size, lo=1, integer=True)
+    _check_range(c, 'cache_max_entry_count', cfg.cache_max_entry_count, lo=0.0, hi=1.0, lo_open=True)
+    _check_range(c, 'cache_block_seq_len', cfg.cache_block_seq_len, lo=1, integer=True)
+    if cfg.num_cache_blocks is not None:
+        _check_range(c, 'num_cache_blocks', cfg.num_cache_blocks, lo=1, integer=True)
+    if not isinstance(cfg.enable_prefix_caching, bool):
+        _fail(c, 'enable_prefix_caching', cfg.enable_prefix_caching, 'expected True or False')
+    _check_choice(c, 'quant_policy', cfg.quant_policy, (0, 4, 8))
+    _check_range(c, 'tp', cfg.tp, lo=1, integer=True)
+    _check_choice(c, 'model_format', cfg.model_format, (None, 'hf', 'awq', 'w8a8', 'gguf'))
+    _check_choice(c, 'dtype', cfg.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
+    if cfg.max_prefill_token_num is not None:
+        _check_range(c, 'max_prefill_token_num', cfg.max_prefill_token_num, lo=1, integer=True)
+    if cfg.num_threads is not None:
+        _check_range(c, 'num_threads', cfg.num_threads, lo=1, integer=True)
+
+
+@dataclass
+class PytorchEngineConfig:
+    """The PyTorch backend's settings.
+
+    ``cache_max_entry_count`` is the fraction of free memory the KV cache may take;
+    ``num_cache_blocks`` overrides it with an exact block count.
+    """
+    session_len: int | None = None
+    max_batch_size: int = 128
+    cache_max_entry_count: float = 0.8
+    cache_block_seq_len: int = 64
+    num_cache_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    tp: int = 1
+    model_format: str | None = None
+    dtype: str = 'auto'
+    device: str = 'cpu'
+    max_prefill_token_num: int | None = 4096
+    num_threads: int | None = None
+    kernel_backend: str | None = None  # None: by device ('torch' on CPU, 'triton' on CUDA)
+    max_cache_memory_gib: float | None = 4.0  # caps cache_max_entry_count on CPU, where "free" is the host's RAM
+
+    def __post_init__(self):
+        c = 'PytorchEngineConfig'
+        _check_engine_common(c, self)
+        if not isinstance(self.device, str) or self.device.split(':')[0] not in ('cpu', 'cuda'):
+            _fail(c, 'device', self.device, "allowed values are 'cpu', 'cuda', 'cuda:N'")
+        _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'triton'))
+        if self.max_cache_memory_gib is not None:
+            _check_range(c, 'max_cache_memory_gib', self.max_cache_memory_gib, lo=0.0, lo_open=True)
+
+
+@dataclass
+class TurbomindEngineConfig:
+    """TurboMind's settings (its engine lands with the TurboMind issue)."""
+    session_len: int | None = None
+    max_batch_size: int = 128
+    cache_max_entry_count: float = 0.8
+    cache_block_seq_len: int = 64
+    num_cache_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    tp: int = 1
+    model_format: str | None = None
+    dtype: str = 'auto'
+    device: str = 'cpu'
+    max_prefill_token_num: int | None = 4096
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        c = 'TurbomindEngineConfig'
+        _check_engine_common(c, self)
+        _check_choice(c, 'device', self.device, ('cpu', 'cuda'))
+
+
+@dataclass
+class ChatTemplateConfig:
+    """Override the model's own chat template with a named built-in, or parts of it."""
+    model_name: str
+    system: str | None = None
+    meta_instruction: str | None = None  # default system prompt when the user gives none
+    chat_template: str | None = None     # a Jinja template that replaces the built-in's
+
+    def __post_init__(self):
+        from .chat_template import BUILTIN_TEMPLATES
+        if self.model_name not in BUILTIN_TEMPLATES:
+            _fail('ChatTemplateConfig', 'model_name', self.model_name,
+                  f'built-in templates are {", ".join(sorted(BUILTIN_TEMPLATES))}')
+
+
+@dataclass
+class Response:
+    """One prompt's answer, or one streamed piece of it (``text``/``token_ids`` then hold the new part)."""
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    session_id: int | None = None
+    num_cached_tokens: int = 0
+
+    def __repr__(self):
+        return (f'Response(text={self.text!r}, generate_token_len={self.generate_token_len}, '
+                f'input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r}, '
+                f'index={self.index})')

@@ -1,0 +1,106 @@
+"""The architecture facts both engines read from an HF ``config.json``."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ModelFormatError
+
+# HF architecture name -> our family name; all four are decoder-only Llama-style models.
+SUPPORTED_ARCHITECTURES = {
+    'LlamaForCausalLM': 'llama',
+    'MistralForCausalLM': 'mistral',
+    'Qwen2ForCausalLM': 'qwen2',
+    'Qwen3ForCausalLM': 'qwen3',
+}
+
+
+class ModelConfigError(ModelFormatError):
+    """config.json is missing, malformed or names an architecture lmd does not run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str            # HF name, e.g. 'LlamaForCausalLM'
+    family: str                  # 'llama' | 'mistral' | 'qwen2' | 'qwen3'
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None    # e.g. {'rope_type': 'llama3', 'factor': 8.0, ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool         # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool                # RMSNorm on q and k per head before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str             # the checkpoint's dtype: 'float32' | 'bfloat16' | 'float16'
+    quantization_config: dict | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def from_dict(cfg: dict[str, Any], where: str = 'config.json') -> 'ModelConfig':
+        archs = cfg.get('architectures') or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f'{where}: architecture {archs or cfg.get("model_type")!r} is not supported; '
+                f'lmd runs {", ".join(SUPPORTED_ARCHITECTURES)}')
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg['hidden_size'])
+            num_heads = int(cfg['num_attention_heads'])
+            eos = cfg.get('eos_token_id')
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope_scaling = cfg.get('rope_scaling') or None
+            rope_theta = cfg.get('rope_theta')
+            rope_params = cfg.get('rope_parameters')  # transformers >= 5 nests rope settings here
+            if isinstance(rope_params, dict):
+                rope_theta = rope_theta or rope_params.get('rope_theta')
+                if rope_scaling is None and rope_params.get('rope_type', 'default') != 'default':
+                    rope_scaling = dict(rope_params)
+            dtype = str(cfg.get('torch_dtype') or cfg.get('dtype') or 'float32').replace('torch.', '')
+            return ModelConfig(
+                architecture=arch,
+                family=family,
+                vocab_size=int(cfg['vocab_size']),
+                hidden_size=hidden,
+                intermediate_size=int(cfg['intermediate_size']),
+                num_layers=int(cfg['num_hidden_layers']),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get('num_key_value_heads') or num_heads),
+                head_dim=int(cfg.get('head_dim') or hidden // num_heads),
+                rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
+                rope_theta=float(rope_theta or 10000.0),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
+                tie_word_embeddings=bool(cfg.get('tie_word_embeddings', False)),
+                attention_bias=bool(cfg.get('attention_bias', family == 'qwen2')),
+                qk_norm=family == 'qwen3',
+                bos_token_id=cfg.get('bos_token_id'),
+                eos_token_ids=eos_ids,
+                torch_dtype=dtype if dtype in ('float32', 'bfloat16', 'float16') else 'float32',
+                quantization_config=cfg.get('quantization_config'),
+                raw=dict(cfg),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelConfigError(f'{where}: malformed model config ({type(e).__name__}: {e})') from None
+
+    @staticmethod
+    def from_dir(model_dir: str) -> 'ModelConfig':
+        path = os.path.join(model_dir, 'config.json')
+        if not os.path.isfile(path):
+            raise ModelConfigError(f'{model_dir} has no config.json; is it a model directory?')
+        try:
+            with open(path, encoding='utf-8') as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f'{path}: cannot read it as JSON ({e})') from None
+        return ModelConfig.from_dict(cfg, where=path)

@@ -1,0 +1,45 @@
+"""The side data of one forward pass: which cache slots each token reads and writes.
+
+A step runs the tokens of several sequences flattened into one batch:
+``input_ids[T]`` and ``positions[T]`` where sequence ``i`` owns rows
+``cu_query_lens[i]:cu_query_lens[i+1]``. A sequence contributes either its next
+prefill chunk or one decode token; its context is everything already in the
+cache plus these new tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepContext:
+    # k_cache, v_cache per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    # [T] int64: cache slot (block_id * block_size + offset) each new token's K/V is written to
+    slot_mapping: torch.Tensor
+    # [B] int32: new tokens of each sequence this step
+    query_lens: torch.Tensor
+    # [B + 1] int32: prefix sums of query_lens
+    cu_query_lens: torch.Tensor
+    # [B] int32: tokens of each sequence in the cache after this step (history + new)
+    context_lens: torch.Tensor
+    # [B, max_num_blocks] int32: the sequence's blocks in order, padded with 0
+    block_tables: torch.Tensor
+    # every sequence brings exactly one token (lets kernels take the decode path)
+    is_decode: bool
+    # python copies of the lengths, so CPU kernels need no device sync
+    query_lens_list: list[int]
+    context_lens_list: list[int]
+    # KV-cache quantization (0: none, 8: int8, 4: int4); the quantized cache layout lands with lite
+    quant_policy: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_list)

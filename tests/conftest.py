@@ -1,0 +1,14 @@
+import os
+
+import pytest
+import torch
+
+# Two cores here: keep torch from oversubscribing them when tests run side by side.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope='session')
+def smollm2_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct as an HF directory (converted once from its GGUF)."""
+    from lmd.model_path import prepare_model_dir
+    return prepare_model_dir('smollm2')

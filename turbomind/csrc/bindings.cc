@@ -1,0 +1,33 @@
+// Python bindings of the TurboMind core: lmd.turbomind._turbomind.
+#include <pybind11/pybind11.h>
+
+#include "cpu_features.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_turbomind, m) {
+    m.doc() = "TurboMind: lmd's C++ inference engine";
+    m.attr("__version__") = LMD_VERSION;
+#if defined(LMD_WITH_CUDA)
+    m.attr("with_cuda") = true;
+#else
+    m.attr("with_cuda") = false;
+#endif
+#if defined(LMD_WITH_OPENMP)
+    m.attr("with_openmp") = true;
+#else
+    m.attr("with_openmp") = false;
+#endif
+
+    m.def("cpu_features", []() {
+        const turbomind::cpu_features & f = turbomind::cpu_features_get();
+        py::dict d;
+        d["avx2"] = f.avx2;
+        d["fma"] = f.fma;
+        d["f16c"] = f.f16c;
+        d["avx512f"] = f.avx512f;
+        d["num_procs"] = f.num_procs;
+        return d;
+    }, "The instruction sets the kernels may use on this CPU, and its processor count.");
+    m.def("cpu_features_summary", &turbomind::cpu_features_summary);
+}
