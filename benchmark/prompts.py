@@ -1,0 +1,119 @@
+"""The benchmarks' shared workload: real English prose cut into prompts of exact token lengths.
+
+The prose is Python's own help text (``pydoc_data.topics.topics``, in the
+standard library), so the workload needs no download and is the same on every
+machine. The topics are joined in sorted-key order and tokenized once with the
+model's ``tokenizer.json``; a prompt is a window of exactly ``input_len`` token
+ids that starts at the beginning of a paragraph. Both lmd and transformers get
+these ids (not text), so their prompt lengths agree to the token, and with
+``ignore_eos`` and greedy decoding both generate exactly ``output_len`` tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    output_len: int  # tokens to generate (max_new_tokens, with EOS ignored)
+
+    @property
+    def input_len(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_model_dir(model: str) -> str:
+    """The HF directory (float32 safetensors) that both lmd and transformers load."""
+    if os.path.isfile(os.path.join(model, 'config.json')):
+        return os.path.abspath(model)  # already an HF directory
+    from lmd.model_path import prepare_model_dir
+    return prepare_model_dir(model)
+
+
+class ProseCorpus:
+    """``pydoc_data.topics`` as one token stream, with the token index of every paragraph start."""
+
+    def __init__(self, model_dir: str):
+        from pydoc_data.topics import topics
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, 'tokenizer.json'))
+        text = '\n\n'.join(topics[k].strip() for k in sorted(topics))
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        self.token_ids: list[int] = enc.ids
+        para_chars, pos = [0], text.find('\n\n')
+        while pos != -1:
+            para_chars.append(pos + 2)
+            pos = text.find('\n\n', pos + 2)
+        # paragraph starts as token indices: the first token whose span begins at or after the start
+        starts = [o[0] for o in enc.offsets]
+        self.paragraph_starts = sorted({bisect.bisect_left(starts, c) for c in para_chars} - {len(starts)})
+
+    def window(self, rng: random.Random, length: int) -> tuple[int, ...]:
+        """``length`` consecutive tokens from a random paragraph start."""
+        if length > len(self.token_ids):
+            raise ValueError(f'a {length}-token prompt is longer than the whole corpus ({len(self.token_ids)})')
+        limit = bisect.bisect_right(self.paragraph_starts, len(self.token_ids) - length)
+        start = self.paragraph_starts[rng.randrange(limit)]
+        return tuple(self.token_ids[start:start + length])
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def _length(rng: random.Random, spec: tuple[int, int]) -> int:
+    lo, hi = spec
+    return lo if lo == hi else rng.randint(lo, hi)
+
+
+def parse_range(value: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '32,512' or '32:512' -> (32, 512), inclusive."""
+    parts = value.replace(':', ',').split(',')
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f'expected N or LO,HI token counts, got {value!r}') from None
+    if len(nums) == 1:
+        nums = nums * 2
+    if len(nums) != 2 or not 1 <= nums[0] <= nums[1]:
+        raise ValueError(f'expected N or LO,HI with 1 <= LO <= HI, got {value!r}')
+    return nums[0], nums[1]
+
+
+def make_prompts(model_dir: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                 seed: int = 0) -> list[Prompt]:
+    """``num_prompts`` prompts, lengths drawn uniformly from the inclusive ranges, fixed by ``seed``."""
+    corpus = ProseCorpus(model_dir)
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        n_in = _length(rng, input_len)
+        n_out = _length(rng, output_len)
+        prompts.append(Prompt(corpus.window(rng, n_in), n_out))
+    return prompts
+
+
+def describe(prompts: list[Prompt]) -> dict:
+    ins = [p.input_len for p in prompts]
+    outs = [p.output_len for p in prompts]
+    return {
+        'source': 'pydoc_data.topics.topics (stdlib), windows of token ids from paragraph starts',
+        'num_prompts': len(prompts),
+        'input_tokens': {'min': min(ins), 'max': max(ins), 'mean': round(sum(ins) / len(ins), 1),
+                         'total': sum(ins)},
+        'output_tokens': {'min': min(outs), 'max': max(outs), 'mean': round(sum(outs) / len(outs), 1),
+                          'total': sum(outs)},
+    }
+
+
+if __name__ == '__main__':  # show a few prompts: python benchmark/prompts.py [MODEL_DIR]
+    import sys
+    model_dir = sys.argv[1] if len(sys.argv) > 1 else resolve_model_dir('smollm2')
+    corpus = ProseCorpus(model_dir)
+    ps = make_prompts(model_dir, 4, (32, 64), (16, 256))
+    for p in ps:
+        print(f'--- {p.input_len} in, {p.output_len} out\n{corpus.decode(p.token_ids)}')
+    print(describe(ps))

@@ -1,0 +1,182 @@
+"""``pipeline()``: the synchronous front door over an AsyncEngine.
+
+The AsyncEngine lives on an event loop in a background thread; calls from the
+user's thread submit coroutines to it, so a pipeline also works inside Jupyter
+or another running event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Iterator
+
+from .async_engine import AsyncEngine, Session
+from .messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response, TurbomindEngineConfig
+
+Prompt = str | list[dict]
+
+
+def _as_batch(prompts) -> tuple[list[Prompt], bool]:
+    """(prompts as a list, whether the caller gave a single one)."""
+    if isinstance(prompts, str):
+        return [prompts], True
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts], True  # one OpenAI-style conversation
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts):
+        if not prompts:
+            raise ValueError('prompts is empty')
+        return list(prompts), False
+    raise ValueError('prompts must be a string, a list of strings, or OpenAI-style message lists')
+
+
+class Pipeline:
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+        self.tokenizer = async_engine.tokenizer
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name='lmd-pipeline-loop', daemon=True)
+        self._thread.start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _gen_configs(self, gen_config, n_prompts: int) -> list[GenerationConfig]:
+        if gen_config is None:
+            return [GenerationConfig()] * n_prompts
+        if isinstance(gen_config, GenerationConfig):
+            return [gen_config] * n_prompts
+        if len(gen_config) != n_prompts:
+            raise ValueError(f'got {len(gen_config)} gen_configs for {n_prompts} prompts')
+        return list(gen_config)
+
+    def __call__(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+                 do_preprocess: bool = True) -> Response | list[Response] | list[list[Response]]:
+        """Answer every prompt; with ``n > 1`` each prompt gets a list of ``n`` Responses."""
+        batch, single = _as_batch(prompts)
+        gens = self._gen_configs(gen_config, len(batch))
+
+        async def one(i: int, prompt, gen: GenerationConfig):
+            outs = [None] * gen.n
+            async for r in self.async_engine.generate_n(prompt, gen, stream_response=False,
+                                                        do_preprocess=do_preprocess):
+                outs[r.index] = r
+            for r in outs:
+                r.index = i
+            return outs if gen.n > 1 else outs[0]
+
+        async def run_all():
+            return await asyncio.gather(*(one(i, p, g) for i, (p, g) in enumerate(zip(batch, gens))))
+
+        results = self._run(run_all())
+        return results[0] if single else results
+
+    def stream_infer(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+                     do_preprocess: bool = True) -> Iterator[Response]:
+        """Yield Responses as tokens arrive; ``index`` names the prompt each belongs to."""
+        batch, _ = _as_batch(prompts)
+        gens = self._gen_configs(gen_config, len(batch))
+        for g in gens:
+            if g.n != 1:
+                raise ValueError('stream_infer takes n=1; call the pipeline itself for n > 1')
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        async def one(i, prompt, gen):
+            async for r in self.async_engine.generate(prompt, gen_config=gen, do_preprocess=do_preprocess, index=i):
+                q.put(r)
+
+        async def run_all():
+            try:
+                await asyncio.gather(*(one(i, p, g) for i, (p, g) in enumerate(zip(batch, gens))))
+            except BaseException as e:
+                q.put(e)
+            finally:
+                q.put(done)
+
+        future = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()  # a consumer that stops early aborts the rest
+
+    # ---- interactive sessions -------------------------------------------------------------
+
+    def new_session(self, system: str | None = None) -> Session:
+        return self.async_engine.new_session(system)
+
+    def chat(self, message: str, session: Session | None = None,
+             gen_config: GenerationConfig | None = None) -> tuple[Response, Session]:
+        """One turn of a conversation whose KV cache stays in the engine; returns (answer, session)."""
+        session = session or self.new_session()
+
+        async def run():
+            text, last = [], None
+            async for r in self.async_engine.chat(session, message, gen_config):
+                text.append(r.text)
+                last = r
+            last.text = ''.join(text)
+            return last
+
+        return self._run(run()), session
+
+    def stream_chat(self, message: str, session: Session,
+                    gen_config: GenerationConfig | None = None) -> Iterator[Response]:
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        async def run():
+            try:
+                async for r in self.async_engine.chat(session, message, gen_config):
+                    q.put(r)
+            except BaseException as e:
+                q.put(e)
+            finally:
+                q.put(done)
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    def end_session(self, session: Session) -> None:
+        self.async_engine.end_session(session)
+
+    def close(self) -> None:
+        self.async_engine.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def pipeline(model_path: str | None = None,
+             backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+             chat_template_config: ChatTemplateConfig | None = None,
+             backend: str | None = None, **kwargs) -> Pipeline:
+    """Load a model and return a Pipeline; ``model_path`` None or 'smollm2' is the embedded default.
+
+    ``model_path`` is an HF directory, a .gguf file, or a hub id that is cached locally.
+    """
+    if kwargs:
+        raise TypeError(f'pipeline() got unexpected arguments: {", ".join(sorted(kwargs))}')
+    return Pipeline(AsyncEngine(model_path, backend=backend, backend_config=backend_config,
+                                chat_template_config=chat_template_config))

@@ -1,0 +1,267 @@
+"""AsyncEngine: text in, streamed text out, over either engine.
+
+It owns everything about text, once: chat templates, tokenization,
+incremental detokenization, stop strings, ``n`` and interactive sessions.
+Engines below it see token ids only (``lmd.engine.Engine``); their outputs come
+back on the engine thread and are handed to the caller's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from .chat_template import get_chat_template, to_messages
+from .engine import Engine, EngineOutput, EngineRequest, SamplingParams
+from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
+                       TurbomindEngineConfig)
+from .model_path import prepare_model_dir
+from .tokenizer import DetokenizeState, StopStringMatcher, Tokenizer
+
+logger = logging.getLogger('lmd')
+
+
+def build_engine(model_dir: str, backend: str | None,
+                 backend_config: PytorchEngineConfig | TurbomindEngineConfig | None) -> Engine:
+    """The engine for ``backend`` ('pytorch' or 'turbomind'); None picks by the config's type."""
+    if backend is None:
+        backend = 'turbomind' if isinstance(backend_config, TurbomindEngineConfig) else 'pytorch'
+    if backend not in ('pytorch', 'turbomind'):
+        raise ValueError(f"backend={backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
+    if backend == 'turbomind':
+        raise NotImplementedError(
+            'the TurboMind engine is not built yet (it lands with its own issue); '
+            "use backend='pytorch' or --backend pytorch")
+    if backend_config is None:
+        backend_config = PytorchEngineConfig()
+    if not isinstance(backend_config, PytorchEngineConfig):
+        raise ValueError(f'backend pytorch needs a PytorchEngineConfig, got {type(backend_config).__name__}')
+    from .pytorch_backend import PytorchEngine
+    return PytorchEngine(model_dir, backend_config)
+
+
+@dataclass
+class Session:
+    """An interactive conversation whose KV cache the engine keeps between turns."""
+    session_id: int
+    messages: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # what the engine holds for it
+    started: bool = False
+
+
+class AsyncEngine:
+
+    def __init__(self, model_path: str | None = None, backend: str | None = None,
+                 backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+                 chat_template_config: ChatTemplateConfig | None = None):
+        self.model_dir = prepare_model_dir(model_path)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.chat_template = get_chat_template(self.tokenizer, chat_template_config)
+        self.engine = build_engine(self.model_dir, backend, backend_config)
+        self.model_info = self.engine.model_info
+        self.session_len = self.model_info.session_len
+        eos = set(self.model_info.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        # single-token stop words of the template (e.g. <|im_end|>) stop in the engine, cheaply
+        eos |= set(self.tokenizer.token_ids_of_words(self.chat_template.stop_words))
+        self.eos_token_ids = tuple(sorted(eos))
+        self._ids = itertools.count(1 << 32)  # request ids, above any user session id
+        self._ids_lock = threading.Lock()
+
+    def next_session_id(self) -> int:
+        with self._ids_lock:
+            return next(self._ids)
+
+    # ---- text -> ids ---------------------------------------------------------------------
+
+    def render(self, prompt: str | list[dict], do_preprocess: bool = True) -> str:
+        """The prompt as the model sees it: the chat template applied unless ``do_preprocess`` is False."""
+        if not do_preprocess:
+            if not isinstance(prompt, str):
+                raise ValueError('a raw prompt (do_preprocess=False) must be a string')
+            return prompt
+        return self.chat_template.render(to_messages(prompt), add_generation_prompt=True)
+
+    def encode(self, prompt: str | list[dict], do_preprocess: bool = True) -> list[int]:
+        text = self.render(prompt, do_preprocess)
+        # a rendered template already carries its own BOS where the model wants one
+        return self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
+
+    def sampling_params(self, gen: GenerationConfig, seed: int | None = None) -> SamplingParams:
+        bad = tuple(self.tokenizer.token_ids_of_words(gen.bad_words)) if gen.bad_words else ()
+        return SamplingParams.from_generation_config(gen, self.eos_token_ids, bad, seed=seed)
+
+    # ---- generation ----------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[dict] | None, session_id: int | None = None,
+                       gen_config: GenerationConfig | None = None, *, input_ids: list[int] | None = None,
+                       stream_response: bool = True, do_preprocess: bool = True,
+                       sequence_start: bool = True, sequence_end: bool = True,
+                       index: int = 0, seed: int | None = None,
+                       engine_ids: list[int] | None = None) -> AsyncIterator[Response]:
+        """Generate one answer; yields a Response per new piece (or one at the end).
+
+        ``input_ids`` replaces ``prompt`` with token ids. With ``sequence_start=False``
+        the ids extend the session's kept history (see ``Session``). ``engine_ids``, when
+        given, receives every token the engine appended to the session (stop tokens too).
+        """
+        gen = gen_config or GenerationConfig()
+        if input_ids is None:
+            if prompt is None:
+                raise ValueError('either prompt or input_ids is required')
+            input_ids = self.encode(prompt, do_preprocess)
+        if session_id is None:
+            session_id = self.next_session_id()
+        request = EngineRequest(session_id=session_id, token_ids=tuple(input_ids),
+                                sampling=self.sampling_params(gen, seed),
+                                sequence_start=sequence_start, sequence_end=sequence_end)
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+
+        def on_output(out: EngineOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        self.engine.add_request(request, on_output)  # raises ValueError on bad input
+        stops = StopStringMatcher(gen.stop_words, gen.include_stop_str_in_output)
+        state = DetokenizeState()
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float]] | None = [] if gen.logprobs is not None else None
+        pending_text, pending_ids, pending_lp = '', [], []
+        num_prompt, num_cached = len(input_ids), 0
+        finished = engine_done = False
+        try:
+            while not finished:
+                out = await queue.get()
+                engine_done = out.finish_reason is not None
+                if engine_ids is not None:
+                    engine_ids.extend(out.token_ids)
+                num_prompt, num_cached = out.num_prompt_tokens or num_prompt, out.num_cached_tokens
+                new_ids = list(out.token_ids)
+                if out.finish_reason == 'stop' and new_ids and new_ids[-1] in request.sampling.stop_token_ids:
+                    new_ids = new_ids[:-1]  # the stop token ends the answer; it is not part of it
+                token_ids.extend(new_ids)
+                pending_ids.extend(new_ids)
+                if logprobs is not None and out.logprobs:
+                    pending_lp.extend(out.logprobs[:len(new_ids)])
+                text, state = self.tokenizer.detokenize_incrementally(
+                    token_ids, state, skip_special_tokens=gen.skip_special_tokens,
+                    spaces_between_special_tokens=gen.spaces_between_special_tokens,
+                    final=out.finish_reason is not None)
+                text, hit_stop = stops.feed(text)
+                finish_reason = out.finish_reason
+                if finish_reason == 'error':
+                    raise RuntimeError(out.error or 'the engine failed this request')
+                if hit_stop:
+                    finish_reason = 'stop'
+                    self.engine.abort(session_id)
+                elif finish_reason is not None:
+                    text += stops.flush()
+                finished = finish_reason is not None
+                pending_text += text
+                if not stream_response and not finished:
+                    continue
+                if not (pending_text or pending_ids or finished):
+                    continue  # a held-back partial character: nothing to show yet
+                if logprobs is not None:
+                    logprobs.extend(pending_lp)
+                yield Response(text=pending_text, generate_token_len=len(token_ids),
+                               input_token_len=num_prompt, finish_reason=finish_reason,
+                               token_ids=pending_ids if stream_response else list(token_ids),
+                               logprobs=(pending_lp if stream_response else logprobs) if logprobs is not None
+                               else None,
+                               index=index, session_id=session_id, num_cached_tokens=num_cached)
+                pending_text, pending_ids, pending_lp = '', [], []
+            while engine_ids is not None and not engine_done:  # learn exactly what the session holds
+                out = await queue.get()
+                engine_done = out.finish_reason is not None
+                engine_ids.extend(out.token_ids)
+        finally:
+            if not finished:  # the caller went away (cancelled, closed the stream): free its blocks
+                self.engine.abort(session_id)
+
+    async def generate_n(self, prompt, gen_config: GenerationConfig, **kwargs) -> AsyncIterator[Response]:
+        """``gen_config.n`` answers of one prompt, streamed interleaved; ``index`` tells them apart."""
+        n = gen_config.n
+        if n == 1:
+            async for r in self.generate(prompt, gen_config=gen_config, **kwargs):
+                yield r
+            return
+        if 'session_id' in kwargs and kwargs['session_id'] is not None:
+            raise ValueError('n > 1 cannot be combined with an interactive session_id')
+        input_ids = kwargs.pop('input_ids', None)
+        if input_ids is None:
+            input_ids = self.encode(prompt, kwargs.pop('do_preprocess', True))
+        base_seed = gen_config.random_seed
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(i: int):
+            seed = None if base_seed is None else (base_seed + i) % 2**64
+            try:
+                async for r in self.generate(None, gen_config=gen_config, input_ids=input_ids,
+                                             index=i, seed=seed, **kwargs):
+                    await queue.put(r)
+            except BaseException as e:  # surfaced to the consumer below
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(n)]
+        try:
+            done = 0
+            while done < n:
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ---- interactive sessions -------------------------------------------------------------
+
+    def new_session(self, system: str | None = None) -> Session:
+        s = Session(session_id=self.next_session_id())
+        if system:
+            s.messages.append({'role': 'system', 'content': system})
+        return s
+
+    async def chat(self, session: Session, user_message: str,
+                   gen_config: GenerationConfig | None = None) -> AsyncIterator[Response]:
+        """One turn of ``session``: only the tokens new since its last turn are prefilled."""
+        messages = session.messages + [{'role': 'user', 'content': user_message}]
+        full_ids = self.encode(messages)
+        history = session.token_ids
+        if session.started and full_ids[:len(history)] == history:
+            new_ids, start = full_ids[len(history):], False
+        else:  # first turn, or the template re-rendered the past differently: start over
+            if session.started:
+                self.end_session(session)
+            new_ids, start = full_ids, True
+        answer, engine_ids = [], []
+        session.started, completed = True, False
+        try:
+            async for r in self.generate(None, session.session_id, gen_config, input_ids=new_ids,
+                                         sequence_start=start, sequence_end=False, engine_ids=engine_ids):
+                answer.append(r.text)
+                yield r
+            completed = True
+        finally:
+            if not completed:  # an interrupted turn leaves the engine's history unknown: drop it
+                self.end_session(session)
+        session.token_ids = full_ids + engine_ids
+        session.messages = messages + [{'role': 'assistant', 'content': ''.join(answer)}]
+
+    def end_session(self, session: Session) -> None:
+        if session.started:
+            self.engine.end(session.session_id)
+        session.started = False
+        session.token_ids = []
+
+    def close(self) -> None:
+        self.engine.close()

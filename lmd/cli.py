@@ -1,0 +1,97 @@
+"""The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert``.
+
+Every subcommand answers ``--help``. A user's mistake (a missing model, a bad
+flag value) prints one ``lmd: error: ...`` line and exits 2, never a traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .errors import LmdError
+
+
+def _engine_config(backend: str, **fields):
+    from .messages import PytorchEngineConfig, TurbomindEngineConfig
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if backend == 'pytorch':
+        return PytorchEngineConfig(**fields)
+    if backend == 'turbomind':
+        return TurbomindEngineConfig(**fields)
+    raise ValueError(f"--backend {backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
+
+
+class CLI:
+    """lmd: LLM inference and serving. Subcommands: chat, convert. Add --help to any of them."""
+
+    def chat(self, model_path: str | None = None, backend: str = 'pytorch', chat_template: str | None = None,
+             system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
+             enable_prefix_caching: bool = False, dtype: str = 'auto', num_threads: int | None = None,
+             max_new_tokens: int = 1024, do_sample: bool = False, temperature: float = 0.8, top_p: float = 1.0,
+             top_k: int = 50, repetition_penalty: float = 1.0, random_seed: int | None = None):
+        """Chat with a model in the terminal; answers stream as they are generated.
+
+        Type /reset to start a new conversation and /exit (or Ctrl-D) to leave.
+
+        Args:
+            model_path: an HF model directory, a .gguf file, or 'smollm2' (the default, embedded model).
+            backend: 'pytorch' or 'turbomind'.
+            chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) to use
+                instead of the model's own.
+            system: a system prompt for the conversation.
+            session_len: the longest conversation in tokens (default: the model's context, at most 8192).
+            cache_max_entry_count: the fraction of free memory the KV cache may take.
+            enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+            dtype: auto, float32, bfloat16 or float16.
+            num_threads: CPU threads for the engine (default: all cores).
+            max_new_tokens: the most tokens one answer may have.
+            do_sample: sample instead of greedy decoding.
+            temperature: sampling temperature (with --do-sample).
+            top_p: nucleus sampling mass (with --do-sample).
+            top_k: sample among the k likeliest tokens (with --do-sample).
+            repetition_penalty: >1 discourages repeating tokens.
+            random_seed: makes sampling reproducible.
+        """
+        from .chat import run_chat
+        from .messages import ChatTemplateConfig, GenerationConfig
+        config = _engine_config(backend, session_len=session_len, cache_max_entry_count=cache_max_entry_count,
+                                enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads)
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                               top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                               random_seed=random_seed)
+        template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+        run_chat(model_path, backend, config, gen, template, system)
+
+    def convert(self, model_path: str, out_dir: str, overwrite: bool = False):
+        """Convert a model (a .gguf file) into an HF-style directory.
+
+        The directory holds model.safetensors (float32), config.json, tokenizer.json and
+        tokenizer_config.json with the chat template; it loads in lmd and in transformers.
+
+        Args:
+            model_path: a .gguf file, or 'smollm2' for the embedded model.
+            out_dir: the directory to write.
+            overwrite: replace out_dir if it already holds files.
+        """
+        from .convert import convert
+        path = convert(model_path, out_dir, overwrite=overwrite)
+        print(f'wrote {path}')
+
+
+def main(argv: list[str] | None = None) -> int:
+    import fire
+    os.environ.setdefault('PAGER', 'cat')  # fire pages --help through less on a terminal otherwise
+    try:
+        fire.Fire(CLI, command=argv, name='lmd')
+    except fire.core.FireExit as e:
+        return e.code
+    except (LmdError, ValueError, NotImplementedError, FileNotFoundError) as e:
+        print(f'lmd: error: {e}', file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""Read a GGUF file into HF form: config dict, float32 state dict (HF names), tokenizer.
+
+GGUF (llama.cpp's format) keeps the architecture facts as ``{arch}.*`` metadata,
+the tokenizer as ``tokenizer.ggml.*`` arrays, and tensors under llama.cpp names,
+often block-quantized. Everything here is dequantized to float32 with
+``gguf.quants.dequantize`` (exact for Q4_0/Q4_1/Q8_0/F16/BF16: the float value of
+each quantized code is what llama.cpp itself computes).
+
+Layouts:
+- GGUF tensor shapes are listed fastest-dim first (``ne0, ne1``); the numpy view
+  is ``[ne1, ne0]`` = ``[out_features, in_features]``, the same as an HF Linear.
+- llama.cpp's converter for the ``llama`` arch permutes the rows of ``attn_q`` and
+  ``attn_k`` of each head from HF's half-split rope layout (pairs ``i, i+d/2``) to
+  GPT-J's interleaved one (pairs ``2i, 2i+1``); ``_unpermute_rope`` inverts it.
+  Qwen2/Qwen3 GGUFs use NeoX rope in llama.cpp and are stored unpermuted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import ModelFormatError
+
+# GGUF general.architecture -> (HF architecture, HF model_type, rows of q/k permuted by llama.cpp)
+GGUF_ARCHITECTURES = {
+    'llama': ('LlamaForCausalLM', 'llama', True),
+    'mistral': ('MistralForCausalLM', 'mistral', True),
+    'qwen2': ('Qwen2ForCausalLM', 'qwen2', False),
+    'qwen3': ('Qwen3ForCausalLM', 'qwen3', False),
+}
+
+_TOP_LEVEL_NAMES = {
+    'token_embd.weight': 'model.embed_tokens.weight',
+    'output_norm.weight': 'model.norm.weight',
+    'output.weight': 'lm_head.weight',
+}
+
+# blk.N.<gguf> -> model.layers.N.<hf>
+_BLOCK_NAMES = {
+    'attn_q': 'self_attn.q_proj',
+    'attn_k': 'self_attn.k_proj',
+    'attn_v': 'self_attn.v_proj',
+    'attn_output': 'self_attn.o_proj',
+    'attn_q_norm': 'self_attn.q_norm',
+    'attn_k_norm': 'self_attn.k_norm',
+    'ffn_gate': 'mlp.gate_proj',
+    'ffn_up': 'mlp.up_proj',
+    'ffn_down': 'mlp.down_proj',
+    'attn_norm': 'input_layernorm',
+    'ffn_norm': 'post_attention_layernorm',
+}
+_BLOCK_RE = re.compile(r'^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$')
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer split patterns, named by tokenizer.ggml.pre (the same regexes the
+# models' own tokenizer.json files use).
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact')
+_LLAMA3_PRE = ('llama-bpe', 'llama3', 'llama-v3')
+_QWEN2_PRE = ('qwen2',)
+
+SPM_SPACE = '\u2581'  # '▁', SentencePiece's visible space
+
+
+@dataclass
+class GGUFModel:
+    """What a GGUF holds, in HF form. Unpacks as ``config, state_dict, tokenizer, tokenizer_config``."""
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: 'tokenizers.Tokenizer'  # noqa: F821
+    tokenizer_config: dict
+    generation_config: dict
+
+    def __iter__(self):
+        return iter((self.config, self.state_dict, self.tokenizer, self.tokenizer_config))
+
+
+# --------------------------------------------------------------------------- reading
+
+def _open_reader(path: str):
+    import gguf
+    if not os.path.isfile(path):
+        raise ModelFormatError(f'{path}: no such GGUF file')
+    with open(path, 'rb') as f:
+        magic = f.read(4)
+    if magic != b'GGUF':
+        raise ModelFormatError(f'{path}: not a GGUF file (starts with {magic!r}, expected b"GGUF")')
+    try:
+        reader = gguf.GGUFReader(path, 'r')
+    except Exception as e:  # the reader raises ValueError/IndexError/... on a damaged header
+        raise ModelFormatError(f'{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})') from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.size * t.data.itemsize != t.n_bytes:
+            raise ModelFormatError(
+                f'{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to '
+                f'{t.data_offset + t.n_bytes}, the file has {size}')
+    return reader
+
+
+def _fields(reader, path: str) -> dict:
+    meta = {}
+    for name, field in reader.fields.items():
+        try:
+            meta[name] = field.contents()
+        except Exception as e:
+            raise ModelFormatError(f'{path}: cannot read metadata {name!r} ({e})') from None
+    return meta
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: rows per head go interleaved -> half-split.
+
+    llama.cpp: ``w.reshape(n_head, 2, d // 2, ...).swapaxes(1, 2).reshape(w.shape)``.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str, path: str) -> str | None:
+    if name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f'model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}'
+    if name == 'rope_freqs.weight':
+        raise ModelFormatError(
+            f'{path}: has rope_freqs (Llama-3.1-style rope scaling factors); lmd cannot convert '
+            'that GGUF yet, use the original HF checkpoint')
+    raise ModelFormatError(f'{path}: unexpected tensor {name!r} for this architecture')
+
+
+def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    out = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name, path)
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelFormatError(
+                f'{path}: tensor {t.name!r} uses GGUF type {t.tensor_type.name}, '
+                'which gguf cannot dequantize') from None
+        w = np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if permute_heads is not None and hf.endswith(('q_proj.weight', 'q_proj.bias')):
+            w = _unpermute_rope(w, permute_heads[0])
+        elif permute_heads is not None and hf.endswith(('k_proj.weight', 'k_proj.bias')):
+            w = _unpermute_rope(w, permute_heads[1])
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32/F16 tensors are views of the file map
+            w = np.array(w, order='C')
+        out[hf] = torch.from_numpy(w)
+    return out
+
+
+def _config(meta: dict, state_dict: dict, path: str) -> dict:
+    arch = meta.get('general.architecture')
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelFormatError(
+            f'{path}: GGUF architecture {arch!r} is not supported; lmd reads {", ".join(GGUF_ARCHITECTURES)}')
+    hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
+
+    def get(key, default=None, required=False):
+        full = f'{arch}.{key}'
+        if full not in meta:
+            if required:
+                raise ModelFormatError(f'{path}: GGUF metadata {full!r} is missing')
+            return default
+        return meta[full]
+
+    hidden = int(get('embedding_length', required=True))
+    num_heads = int(get('attention.head_count', required=True))
+    num_kv_heads = get('attention.head_count_kv', num_heads)
+    if isinstance(num_kv_heads, list):  # per-layer head counts: all layers equal in these archs
+        num_kv_heads = num_kv_heads[0]
+    head_dim = int(get('attention.key_length') or hidden // num_heads)
+    tokens = meta.get('tokenizer.ggml.tokens')
+    vocab_size = len(tokens) if tokens else int(state_dict['model.embed_tokens.weight'].shape[0])
+    eos = meta.get('tokenizer.ggml.eos_token_id')
+    cfg = {
+        'architectures': [hf_arch],
+        'model_type': model_type,
+        'vocab_size': vocab_size,
+        'hidden_size': hidden,
+        'intermediate_size': int(get('feed_forward_length', required=True)),
+        'num_hidden_layers': int(get('block_count', required=True)),
+        'num_attention_heads': num_heads,
+        'num_key_value_heads': int(num_kv_heads),
+        'head_dim': head_dim,
+        'hidden_act': 'silu',
+        'rms_norm_eps': float(get('attention.layer_norm_rms_epsilon', 1e-6)),
+        'rope_theta': float(get('rope.freq_base', 10000.0)),
+        'max_position_embeddings': int(get('context_length', 4096)),
+        'tie_word_embeddings': 'lm_head.weight' not in state_dict,
+        'attention_bias': 'model.layers.0.self_attn.q_proj.bias' in state_dict,
+        'bos_token_id': meta.get('tokenizer.ggml.bos_token_id'),
+        'eos_token_id': eos,
+        'torch_dtype': 'float32',
+        'use_cache': True,
+    }
+    if model_type in ('llama', 'mistral'):
+        cfg['mlp_bias'] = False
+    if meta.get('tokenizer.ggml.padding_token_id') is not None:
+        cfg['pad_token_id'] = meta['tokenizer.ggml.padding_token_id']
+    scaling = get('rope.scaling.type')
+    if scaling in ('linear', 'yarn'):
+        rope_scaling = {'rope_type': scaling, 'factor': float(get('rope.scaling.factor', 1.0))}
+        if scaling == 'yarn':
+            rope_scaling['original_max_position_embeddings'] = int(
+                get('rope.scaling.original_context_length', cfg['max_position_embeddings']))
+        cfg['rope_scaling'] = rope_scaling
+    elif scaling not in (None, 'none'):
+        raise ModelFormatError(f'{path}: rope scaling {scaling!r} is not supported')
+    window = get('attention.sliding_window')
+    if window and model_type in ('mistral', 'qwen2', 'qwen3'):
+        cfg['sliding_window'] = int(window)
+    return cfg
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def _byte_level_tokenizer(meta: dict, tokens: list[str], path: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    merges_raw = meta.get('tokenizer.ggml.merges')
+    if not merges_raw:
+        raise ModelFormatError(f'{path}: BPE tokenizer without tokenizer.ggml.merges')
+    merges = []
+    for m in merges_raw:
+        left, sep, right = m.partition(' ')
+        if not sep:
+            raise ModelFormatError(f'{path}: malformed BPE merge {m!r}')
+        merges.append((left, right))
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # duplicates: the first id wins, as in llama.cpp's lookup
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = meta.get('tokenizer.ggml.pre', 'default')
+    if pre in _DIGIT_SPLIT_PRE:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        pattern = _QWEN2_PATTERN if pre in _QWEN2_PRE else _LLAMA3_PATTERN
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior='isolated', invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+        if pre in _QWEN2_PRE:
+            tk.normalizer = normalizers.NFC()
+    else:  # 'default', 'gpt-2' and anything unknown: GPT-2's own regex
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE has scores, not merges: every split of a piece into two pieces
+    that exist is a merge, ranked by the merged piece's score (higher merges first)."""
+    ranked = []
+    for piece, pid in vocab.items():
+        if len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[pid], pid, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(r[4], r[5]) for r in ranked]
+
+
+def _sentencepiece_tokenizer(meta: dict, tokens: list[str], types: list[int], path: str):
+    """llama.cpp's 'llama' tokenizer model: SentencePiece BPE with byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    scores = meta.get('tokenizer.ggml.scores') or [0.0] * len(tokens)
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    # byte pieces (<0x41>) and control tokens never take part in merges
+    mergeable = {t: i for t, i in vocab.items() if types[i] in (TOKEN_NORMAL, TOKEN_USER_DEFINED)}
+    unk_id = meta.get('tokenizer.ggml.unknown_token_id', 0)
+    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, mergeable),
+                              unk_token=unk, fuse_unk=True, byte_fallback=True))
+    add_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', True))
+    norms = [normalizers.Prepend(SPM_SPACE)] if add_prefix else []
+    tk.normalizer = normalizers.Sequence(norms + [normalizers.Replace(' ', SPM_SPACE)])
+    decs = [decoders.Replace(SPM_SPACE, ' '), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        decs.append(decoders.Strip(' ', 1, 0))
+    tk.decoder = decoders.Sequence(decs)
+    return tk
+
+
+def _token(meta: dict, key: str, tokens: list[str]) -> str | None:
+    i = meta.get(f'tokenizer.ggml.{key}_token_id')
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+
+def build_tokenizer(meta: dict, path: str = '<gguf>'):
+    """A ``tokenizers.Tokenizer`` and the tokenizer_config.json dict from GGUF metadata."""
+    from tokenizers import AddedToken, processors
+    tokens = meta.get('tokenizer.ggml.tokens')
+    if not tokens:
+        raise ModelFormatError(f'{path}: GGUF has no tokenizer (tokenizer.ggml.tokens missing)')
+    types = meta.get('tokenizer.ggml.token_type') or [TOKEN_NORMAL] * len(tokens)
+    kind = meta.get('tokenizer.ggml.model')
+    if kind == 'gpt2':
+        tk = _byte_level_tokenizer(meta, tokens, path)
+    elif kind == 'llama':
+        tk = _sentencepiece_tokenizer(meta, tokens, types, path)
+    else:
+        raise ModelFormatError(
+            f'{path}: tokenizer model {kind!r} is not supported; lmd converts GGUF tokenizers '
+            "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+
+    # Control tokens are special (skipped by skip_special_tokens); user-defined ones are
+    # matched whole before pre-tokenization but decode as text, as in HF's own files.
+    added = [AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
+             for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    tk.add_special_tokens([a for a in added if a.special])
+    tk.add_tokens([a for a in added if not a.special])
+
+    bos, eos = _token(meta, 'bos', tokens), _token(meta, 'eos', tokens)
+    add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', kind == 'llama'))
+    add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', False))
+    single, pair, specials = ['$A:0'], ['$A:0', '$B:1'], []
+    if add_bos and bos is not None:
+        single, pair = [f'{bos}:0'] + single, [f'{bos}:0', '$A:0', f'{bos}:1', '$B:1']
+        specials.append((bos, meta['tokenizer.ggml.bos_token_id']))
+    if add_eos and eos is not None:
+        single, pair = single + [f'{eos}:0'], pair + [f'{eos}:1']
+        specials.append((eos, meta['tokenizer.ggml.eos_token_id']))
+    if specials:
+        tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    elif kind == 'gpt2':
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    tok_cfg = {
+        'tokenizer_class': 'PreTrainedTokenizerFast',
+        'bos_token': bos,
+        'eos_token': eos,
+        'pad_token': _token(meta, 'padding', tokens),
+        'unk_token': _token(meta, 'unknown', tokens),
+        'add_bos_token': add_bos,
+        'add_eos_token': add_eos,
+        'clean_up_tokenization_spaces': False,
+        'model_max_length': int(meta.get(f'{meta.get("general.architecture")}.context_length', 4096)),
+    }
+    if meta.get('tokenizer.chat_template'):
+        tok_cfg['chat_template'] = meta['tokenizer.chat_template']
+    return tk, tok_cfg
+
+
+# --------------------------------------------------------------------------- public
+
+def read_gguf(path: str) -> GGUFModel:
+    """Dequantize and rename a GGUF's tensors and rebuild its config and tokenizer."""
+    path = os.path.abspath(os.path.expanduser(path))
+    reader = _open_reader(path)
+    meta = _fields(reader, path)
+    arch = meta.get('general.architecture')
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelFormatError(
+            f'{path}: GGUF architecture {arch!r} is not supported; lmd reads {", ".join(GGUF_ARCHITECTURES)}')
+    permute = None
+    if GGUF_ARCHITECTURES[arch][2]:
+        n_head = int(meta.get(f'{arch}.attention.head_count', 0))
+        n_kv = meta.get(f'{arch}.attention.head_count_kv', n_head)
+        n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+        permute = (n_head, n_kv)
+    state_dict = _state_dict(reader, path, permute)
+    if 'model.embed_tokens.weight' not in state_dict:
+        raise ModelFormatError(f'{path}: GGUF has no token_embd.weight')
+    config = _config(meta, state_dict, path)
+    tokenizer, tok_cfg = build_tokenizer(meta, path)
+    gen_cfg = {'bos_token_id': config['bos_token_id'], 'eos_token_id': config['eos_token_id']}
+    if 'pad_token_id' in config:
+        gen_cfg['pad_token_id'] = config['pad_token_id']
+    return GGUFModel(config, state_dict, tokenizer, tok_cfg, gen_cfg)
+
+
+def convert_gguf(path: str, out_dir: str) -> str:
+    """Write ``path`` as an HF directory: model.safetensors (float32) + config/tokenizer files."""
+    from safetensors.torch import save_file
+    model = read_gguf(path)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(model.state_dict, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+    model.tokenizer.save(os.path.join(out_dir, 'tokenizer.json'))
+    for name, obj in (('config.json', model.config), ('tokenizer_config.json', model.tokenizer_config),
+                      ('generation_config.json', model.generation_config)):
+        with open(os.path.join(out_dir, name), 'w', encoding='utf-8') as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write('\n')
+    return out_dir

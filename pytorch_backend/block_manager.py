@@ -1,0 +1,194 @@
+"""The KV cache's blocks: who holds which, and which full blocks can be reused as a prefix.
+
+Mechanism only; the scheduler decides when to call it. The pool has
+``num_blocks`` blocks of ``block_size`` token slots. Each block is in exactly one
+state:
+
+- free:   ref count 0, holds nothing reusable (in ``_free``, FIFO)
+- cached: ref count 0, holds a full block registered in the prefix cache
+          (in ``_evictable``, least recently freed first); reusable by a prefix
+          hit, or evicted (forgotten) when a fresh block is needed
+- used:   ref count > 0, held by that many sequences (a used block may also be
+          registered in the prefix cache, so other sequences can share it)
+
+A full block's key is ``hash((parent_key, tuple(its token ids)))``: equal keys mean
+equal tokens at equal positions, so equal K/V. Only full blocks are keyed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from .sequence import Sequence
+
+_ROOT_HASH = 0x6C6D64  # the parent key of a sequence's first block
+
+
+def _block_key(parent: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f'BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}')
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # prefix cache: key -> block, and per block its key and tokens (tokens guard against hash collisions)
+        self._key_to_block: dict[int, int] = {}
+        self._block_key: list[int | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0
+
+    # ---- counters -------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free but holding a reusable prefix (evictable)."""
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation may take: free ones, then evicted cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- the scheduler's interface ----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
+        """The cached blocks holding the longest run of full leading blocks of ``token_ids``.
+
+        Returns (block_ids, num_cached_tokens). Takes no reference: hand the ids to
+        ``allocate`` in the same step. At most ``len(token_ids) - 1`` tokens match, so
+        the last token is always recomputed (its logits are needed).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        block_ids: list[int] = []
+        parent = _ROOT_HASH
+        for start in range(0, len(token_ids) - bs, bs):
+            tokens = tuple(token_ids[start:start + bs])
+            key = _block_key(parent, tokens)
+            block = self._key_to_block.get(key)
+            if block is None or self._block_tokens[block] != tokens:
+                break
+            block_ids.append(block)
+            parent = key
+        return block_ids, len(block_ids) * bs
+
+    def allocate(self, seq: Sequence, num_tokens: int, prefix_block_ids: list[int] = ()) -> bool:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change) if too few are left.
+
+        ``prefix_block_ids`` (from ``match_prefix``, only for a sequence that holds no
+        blocks yet) become its leading blocks, shared with whoever else holds them.
+        """
+        if prefix_block_ids:
+            assert not seq.block_ids, 'a prefix is only taken by a sequence without blocks'
+        num_have = len(seq.block_ids) + len(prefix_block_ids)
+        num_new = max(0, self.blocks_needed(num_tokens) - num_have)
+        # a hit on a cached (evictable) block takes it out of the pool allocation draws from
+        num_revived = sum(1 for b in prefix_block_ids if self._ref_counts[b] == 0)
+        if num_new + num_revived > self.num_available_blocks:
+            return False
+        if not seq.block_ids:  # admission: count this prompt once for the hit rate
+            if self.enable_prefix_caching:
+                self.num_prefix_query_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += len(prefix_block_ids) * self.block_size
+        for b in prefix_block_ids:
+            if self._ref_counts[b] == 0:
+                del self._evictable[b]
+            self._ref_counts[b] += 1
+            seq.block_ids.append(b)
+            seq.block_hashes.append(self._block_key[b])
+        for _ in range(num_new):
+            seq.block_ids.append(self._take_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s hold on its blocks; registered ones stay reusable until evicted."""
+        # last block first, so a sequence's tail is evicted before its head (heads are shared more)
+        for b in reversed(seq.block_ids):
+            self._ref_counts[b] -= 1
+            assert self._ref_counts[b] >= 0, f'block {b} freed more often than taken'
+            if self._ref_counts[b] == 0:
+                if self._block_key[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        seq.block_ids = []
+        seq.block_hashes = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks that are full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = _block_key(parent, tokens)
+            hashes.append(key)
+            parent = key
+            b = seq.block_ids[i]
+            if key not in self._key_to_block and self._block_key[b] is None:
+                self._key_to_block[key] = b
+                self._block_key[b] = key
+                self._block_tokens[b] = tokens
+            # else: the same content was computed into another block at the same time; that one stays the entry
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _take_block(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._evictable.popitem(last=False)  # least recently freed
+            del self._key_to_block[self._block_key[b]]
+            self._block_key[b] = None
+            self._block_tokens[b] = None
+        self._ref_counts[b] = 1
+        return b
+
+    def check_invariants(self, seqs: list[Sequence] | None = None) -> None:
+        """Raise AssertionError if the accounting is off; ``seqs``: every sequence holding blocks."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), 'a block is twice in the free list'
+        assert not free & evictable, 'a block is both free and cached'
+        for b in range(self.num_blocks):
+            rc = self._ref_counts[b]
+            assert rc >= 0, f'block {b} has ref count {rc}'
+            states = (b in free) + (b in evictable) + (rc > 0)
+            assert states == 1, f'block {b} is in {states} states (ref count {rc})'
+            if b in free:
+                assert self._block_key[b] is None, f'free block {b} still has a prefix key'
+            if b in evictable:
+                assert self._block_key[b] is not None, f'cached block {b} has no prefix key'
+            key = self._block_key[b]
+            if key is not None:
+                assert self._key_to_block.get(key) == b, f'block {b} key not mapped back to it'
+        assert len(self._key_to_block) == sum(k is not None for k in self._block_key)
+        assert self.num_free_blocks + self.num_cached_blocks + self.num_used_blocks == self.num_blocks
+        if seqs is not None:
+            held = [0] * self.num_blocks
+            for s in seqs:
+                for b in s.block_ids:
+                    held[b] += 1
+            assert held == self._ref_counts, 'ref counts differ from the blocks sequences hold'

@@ -1,0 +1,423 @@
+"""``PytorchEngine``: the batching loop of the PyTorch backend, on its own thread.
+
+Callers (any thread) put messages into an inbox; the engine thread drains it,
+schedules a step, runs it, samples, and hands each request its new tokens
+through the request's callback. Sequences, the scheduler, the block manager and
+the KV cache are touched by the engine thread only; the one piece of state
+shared with callers (which sessions are active or kept, for validating a new
+request at once) sits behind ``_lock``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback,
+                        SamplingParams)
+from lmd.messages import PytorchEngineConfig
+from lmd.model_config import ModelConfig
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, num_cache_blocks_for
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger('lmd.pytorch_backend')
+
+_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+DEFAULT_MAX_SESSION_LEN = 8192
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+    callback: OutputCallback
+    # test hook: teacher forcing (see ``teacher_forced_logits``)
+    forced_token_ids: tuple[int, ...] | None = None
+    logits_sink: list | None = None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    session_id: int
+    end: bool  # end the session too (``end``), not only its running turn (``abort``)
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: object
+    future: Future
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype; an explicit dtype wins."""
+    return _DTYPES[model_config.torch_dtype if dtype == 'auto' else dtype]
+
+
+class PytorchEngine(Engine):
+
+    def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
+        from lmd.model_loader import load_weights
+
+        from .models import build_model
+        from .sampler import Sampler
+
+        cfg = config or PytorchEngineConfig()
+        if cfg.tp != 1:
+            raise ValueError(f'PytorchEngineConfig.tp={cfg.tp} is invalid: the PyTorch engine runs on one device (tp=1)')
+        if cfg.quant_policy != 0:
+            raise ValueError(f'PytorchEngineConfig.quant_policy={cfg.quant_policy} is invalid: the PyTorch engine '
+                             'has no quantized KV cache yet; use quant_policy=0 or the TurboMind engine')
+        device = torch.device(cfg.device)
+        if device.type == 'cuda' and not torch.cuda.is_available():
+            raise ValueError(f"PytorchEngineConfig.device={cfg.device!r} is invalid: no CUDA device here; use 'cpu'")
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.config = cfg
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(cfg.dtype, mc)
+        self.device = device
+
+        weights = load_weights(model_dir, self.dtype)
+        model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend)
+        del weights
+
+        block_size = cfg.cache_block_seq_len
+        session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
+        min_blocks = (session_len + block_size - 1) // block_size
+        if cfg.num_cache_blocks is not None:
+            num_blocks = cfg.num_cache_blocks
+        else:
+            num_blocks = num_cache_blocks_for(model, device, block_size, cfg.cache_max_entry_count,
+                                              cfg.max_cache_memory_gib, min_blocks)
+        if num_blocks * block_size < session_len:
+            logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
+                           session_len, num_blocks * block_size, num_blocks, block_size)
+            session_len = num_blocks * block_size
+        self.session_len = session_len
+
+        self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
+        self.block_manager = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_size,
+                                   cfg.max_prefill_token_num or session_len)
+        self.sampler = Sampler()
+        self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
+                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture)
+
+        # engine thread only
+        self._seqs: dict[int, Sequence] = {}   # every active or kept session
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        # shared with callers, behind _lock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._inbox: list = []
+        self._active: set[int] = set()         # sessions with a turn queued or running
+        self._kept: dict[int, int] = {}        # idle interactive session -> its context length
+        self._closing = False
+        self._closed = False
+        self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
+
+        self._thread = threading.Thread(target=self._loop, name='lmd-pytorch-engine', daemon=True)
+        self._thread.start()
+
+    # ---- the Engine interface (any thread) -------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
+        self._submit(request, callback)
+
+    def abort(self, session_id: int) -> None:
+        self._post(_Abort(session_id, end=False))
+
+    def end(self, session_id: int) -> None:
+        with self._lock:
+            self._kept.pop(session_id, None)
+        self._post(_Abort(session_id, end=True))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- debugging and test aids -------------------------------------------------------------------------
+
+    def teacher_forced_logits(self, prompt_ids, forced_token_ids, session_id: int = -1,
+                              timeout: float | None = 600) -> torch.Tensor:
+        """float32 logits [len(forced_token_ids) + 1, V]: after the prompt, then after each forced token.
+
+        Runs through the real path (scheduler, chunked prefill, paged decode steps,
+        batching with whatever else is running); the forced tokens replace sampling.
+        """
+        sink: list = []
+        done = threading.Event()
+        result: list[EngineOutput] = []
+
+        def callback(out: EngineOutput):
+            if out.finish_reason is not None:
+                result.append(out)
+                done.set()
+
+        request = EngineRequest(session_id=session_id, token_ids=tuple(prompt_ids),
+                                sampling=SamplingParams(max_new_tokens=len(forced_token_ids) + 1))
+        self._submit(request, callback, forced_token_ids=tuple(forced_token_ids), logits_sink=sink)
+        if not done.wait(timeout):
+            raise TimeoutError('teacher_forced_logits timed out')
+        if result[0].finish_reason == 'error':
+            raise RuntimeError(result[0].error)
+        return torch.stack(sink)
+
+    def call_on_engine_thread(self, fn, timeout: float | None = 60):
+        """Run ``fn(engine)`` between two steps on the engine thread; returns its result."""
+        future: Future = Future()
+        self._post(_Call(fn, future))
+        return future.result(timeout)
+
+    def check_invariants(self) -> None:
+        """Check the block accounting (on the engine thread, between steps); AssertionError if off."""
+        def check(engine: 'PytorchEngine'):
+            held = [s for s in engine._seqs.values() if s.block_ids]
+            engine.block_manager.check_invariants(held)
+        self.call_on_engine_thread(check)
+
+    # ---- submitting ----------------------------------------------------------------------------------------
+
+    def _post(self, message) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError('the engine is closed')
+            self._inbox.append(message)
+            self._cond.notify()
+
+    def _submit(self, request: EngineRequest, callback: OutputCallback, **hooks) -> None:
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f'add_request expects an EngineRequest, got {type(request).__name__}')
+        if not callable(callback):
+            raise TypeError('add_request needs a callable callback')
+        sid, ids = request.session_id, request.token_ids
+        if not ids:
+            raise ValueError(f'session {sid}: the prompt is empty; send at least one token')
+        vocab = self.model_info.vocab_size
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f'session {sid}: token id {bad} is outside the vocabulary [0, {vocab})')
+        with self._cond:
+            if self._closing:
+                raise RuntimeError('the engine is closed')
+            if sid in self._active:
+                raise ValueError(f'session {sid} already has a request in flight; wait for it to finish or abort it')
+            history = 0
+            if not request.sequence_start:
+                if sid not in self._kept:
+                    raise ValueError(f'session {sid} is unknown: sequence_start=False continues a session kept '
+                                     'by an earlier request with sequence_end=False')
+                history = self._kept[sid]
+            total = history + len(ids)
+            if total >= self.session_len:
+                what = f'the prompt ({len(ids)} tokens' + (f' + {history} of history)' if history else ')')
+                raise ValueError(f'session {sid}: {what} must be shorter than session_len={self.session_len} '
+                                 'to leave room for generated tokens')
+            self._active.add(sid)
+            self._inbox.append(_Add(request, callback, **hooks))
+            self._cond.notify()
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._closing or self.scheduler.has_work):
+                        self._cond.wait()
+                    inbox, self._inbox = self._inbox, []
+                    closing = self._closing
+                for message in inbox:
+                    try:
+                        self._handle(message)
+                    except Exception:  # a bug in handling one message must not stop the engine
+                        logger.exception('engine: handling %r failed', message)
+                if closing:
+                    self._shutdown()
+                    return
+                if self.scheduler.has_work:
+                    try:
+                        progressed = self._step()
+                    except Exception as e:
+                        logger.exception('engine: scheduling failed')
+                        self._fail_all(f'{type(e).__name__}: {e}')
+                        progressed = True
+                    if not progressed:
+                        with self._cond:  # nothing could run: wait for news instead of spinning
+                            if not self._inbox and not self._closing:
+                                self._cond.wait(0.01)
+                self._update_stats()
+
+    def _handle(self, message) -> None:
+        if isinstance(message, _Add):
+            self._on_add(message)
+        elif isinstance(message, _Abort):
+            seq = self._seqs.get(message.session_id)
+            if seq is None:
+                return
+            if message.end:
+                seq.sequence_end = True
+            if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+                self._finish(seq, 'abort')
+            elif message.end:
+                self._finish(seq, None)
+        elif isinstance(message, _Call):
+            try:
+                message.future.set_result(message.fn(self))
+            except Exception as e:
+                message.future.set_exception(e)
+
+    def _on_add(self, message: _Add) -> None:
+        from .sampler import SamplingState
+
+        request = message.request
+        sid = request.session_id
+        seq = self._seqs.get(sid)
+        if request.sequence_start or seq is None:
+            if seq is not None:  # a new session under a kept one's id replaces it
+                self.scheduler.finish(seq)
+            if not request.sequence_start:  # ended between validation and now
+                self._emit_final_orphan(request, message.callback, 'error', f'session {sid} was ended')
+                return
+            seq = Sequence(sid, list(request.token_ids), request.sampling, None, message.callback,
+                           request.sequence_end)
+            self._seqs[sid] = seq
+            self.scheduler.add(seq)
+        else:
+            seq.start_turn(request.token_ids, request.sampling, None, message.callback, request.sequence_end)
+            self.scheduler.resume(seq)
+        seq.sampling_state = SamplingState(request.sampling, tuple(seq.token_ids))
+        seq.forced_token_ids = list(message.forced_token_ids) if message.forced_token_ids is not None else None
+        seq.logits_sink = message.logits_sink
+        self._num_prompt_tokens += len(request.token_ids)
+        if request.sampling.max_new_tokens == 0:
+            self._finish(seq, 'length')
+
+    def _step(self) -> bool:
+        out: SchedulerOutput = self.scheduler.schedule()
+        for seq, why in out.failed:
+            self._finish(seq, 'error', error=f'session {seq.session_id}: {why}')
+        if out.is_empty:
+            return bool(out.failed)
+        try:
+            logits, sample_rows = self.runner.run(out)
+            sampled = [s for s, row in zip(out.seqs, sample_rows) if row >= 0]
+            if sampled:
+                result = self.sampler.sample(logits, [s.sampling_state for s in sampled])
+        except Exception as e:
+            logger.exception('engine: a step of %d sequences failed', len(out.seqs))
+            for seq in out.seqs:
+                self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+            return True
+        self.scheduler.update(out)
+        if sampled:
+            for i, seq in enumerate(sampled):
+                self._on_token(seq, result.token_ids[i], result.logprobs[i], logits, i)
+        return True
+
+    def _on_token(self, seq: Sequence, token: int, logprobs: dict | None, logits: torch.Tensor, row: int) -> None:
+        if seq.logits_sink is not None:  # teacher forcing
+            seq.logits_sink.append(logits[row].clone())
+            if not seq.forced_token_ids:
+                self._finish(seq, 'length')
+                return
+            token, logprobs = seq.forced_token_ids.pop(0), None
+        sp = seq.sampling
+        if token in sp.stop_token_ids and seq.num_generated_tokens >= sp.min_new_tokens:
+            self._finish(seq, 'stop')  # the stop token is neither output nor kept in the session
+            return
+        seq.token_ids.append(token)
+        seq.sampling_state.append(token)
+        self._num_generated_tokens += 1
+        if seq.num_generated_tokens >= sp.max_new_tokens or seq.num_tokens >= self.session_len:
+            self._finish(seq, 'length', (token,), logprobs)
+            return
+        self._emit(seq, EngineOutput(
+            session_id=seq.session_id, token_ids=(token,),
+            logprobs=None if logprobs is None else (logprobs,),
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens))
+
+    def _finish(self, seq: Sequence, reason, token_ids: tuple[int, ...] = (), logprobs: dict | None = None,
+                error: str | None = None) -> None:
+        """End ``seq``'s turn (reason None: end a kept session silently); an interactive session stays kept."""
+        keep = not seq.sequence_end and reason in ('stop', 'length', 'abort')
+        self.scheduler.finish(seq, keep=keep)
+        sid = seq.session_id
+        if not keep and self._seqs.get(sid) is seq:
+            del self._seqs[sid]
+        with self._lock:  # before the callback: its caller may send the next turn at once
+            self._active.discard(sid)
+            if keep:
+                self._kept[sid] = seq.num_tokens
+            else:
+                self._kept.pop(sid, None)
+        if reason is None:
+            return
+        self._emit(seq, EngineOutput(
+            session_id=sid, token_ids=token_ids, logprobs=None if logprobs is None else (logprobs,),
+            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, error=error))
+        seq.callback = None
+
+    def _emit(self, seq: Sequence, out: EngineOutput) -> None:
+        try:
+            seq.callback(out)
+        except Exception:
+            logger.exception('engine: the callback of session %d raised', seq.session_id)
+
+    def _emit_final_orphan(self, request: EngineRequest, callback, reason, error=None) -> None:
+        with self._lock:
+            self._active.discard(request.session_id)
+        try:
+            callback(EngineOutput(session_id=request.session_id, finish_reason=reason, error=error))
+        except Exception:
+            logger.exception('engine: the callback of session %d raised', request.session_id)
+
+    def _fail_all(self, error: str) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            try:
+                self._finish(seq, 'error', error=error)
+            except Exception:
+                logger.exception('engine: failing session %d failed', seq.session_id)
+
+    def _shutdown(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, 'abort')
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for message in inbox:  # arrived with close(): never started
+            if isinstance(message, _Add):
+                self._emit_final_orphan(message.request, message.callback, 'abort')
+            elif isinstance(message, _Call):
+                message.future.set_exception(RuntimeError('the engine is closed'))
+        self._update_stats()
+
+    def _update_stats(self) -> None:
+        bm, sched = self.block_manager, self.scheduler
+        self._stats = EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_prefix_query_tokens=bm.num_prefix_query_tokens, num_preemptions=sched.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens)

@@ -1,0 +1,139 @@
+"""Plain torch kernels: the reference every other backend is checked against, and the CPU path.
+
+Layouts shared by every backend:
+- activations are token-major: ``x[T, hidden]``, ``q[T, num_heads, head_dim]``,
+  ``k, v[T, num_kv_heads, head_dim]``;
+- k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+- cos_sin_cache: ``[max_position, rotary_dim]`` = ``cat(cos, sin)`` of the
+  ``rotary_dim // 2`` frequencies, in the model dtype (HF rounds cos/sin to it too),
+  applied NeoX style (``rotate_half``), as HF Llama/Qwen do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..context import StepContext
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, round to x's dtype, then scale by weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q[T, Hq, D] and k[T, Hk, D] by their positions; returns new tensors."""
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1] * 2
+    x1, x2 = x[..., :rot // 2], x[..., rot // 2:rot]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if rot < x.shape[-1]:  # partial rotary: the tail passes through
+        out = torch.cat((out, x[..., rot:]), dim=-1)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write k, v[T, Hk, D] into the caches at slot_mapping[T] (block_id * block_size + offset)."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's cached K or V in order: [context_len, Hk, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.flatten(0, 1)[:context_len]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    ctx: StepContext, scale: float) -> torch.Tensor:
+    """Attention of the new tokens q[T, Hq, D] over each sequence's whole cached context.
+
+    The new tokens of sequence i sit at positions context_len_i - query_len_i ...
+    context_len_i - 1 and see every cached token at or before their own position.
+    Returns [T, Hq, D] in q's dtype; scores and softmax run in float32 for
+    half-precision inputs (as HF eager does).
+    """
+    if ctx.is_decode:
+        return _decode_attention(q, k_cache, v_cache, ctx, scale)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
+        table = ctx.block_tables[i]
+        k = _gather_context(k_cache, table, ctx_len)
+        v = _gather_context(v_cache, table, ctx_len)
+        out[start:start + q_len] = _prefill_one(q[start:start + q_len], k, v, scale)
+        start += q_len
+    return out
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q[Lq, Hq, D] against k, v[Lk, Hk, D]: the queries are the last Lq of the Lk positions."""
+    q_len, num_heads, _ = q.shape
+    ctx_len, num_kv_heads, _ = k.shape
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = num_heads != num_kv_heads
+    if q_len == ctx_len:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # bottom-right aligned causal mask: query j sits at position ctx_len - q_len + j
+        qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      ctx: StepContext, scale: float) -> torch.Tensor:
+    """One query per sequence. The B contexts are gathered padded to the longest and masked;
+    GQA groups the query heads of one KV head so K/V are never repeated."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = ctx.max_context_len
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = ctx.block_tables[:, :num_blocks]
+    if batch == 1:
+        table = table[0]
+        # k: [Hk, L, D]
+        k = k_cache.index_select(0, table).flatten(0, 1)[:max_len].transpose(0, 1)
+        v = v_cache.index_select(0, table).flatten(0, 1)[:max_len].transpose(0, 1)
+        qg = q.view(num_kv_heads, group, head_dim)
+        scores = torch.matmul(qg, k.transpose(1, 2))            # [Hk, G, L]
+        probs = _softmax(scores, scale, q.dtype)
+        return torch.matmul(probs, v).view(1, num_heads, head_dim)
+    # k: [B, Hk, L, D]
+    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(2, 3))                 # [B, Hk, G, L]
+    if min(ctx.context_lens_list) < max_len:
+        lens = ctx.context_lens.to(device=q.device, dtype=torch.long)
+        pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float('-inf'))
+    probs = _softmax(scores, scale, q.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+
+
+def _softmax(scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores.mul_(scale), dim=-1)
+    return torch.softmax(scores.float().mul_(scale), dim=-1).to(dtype)

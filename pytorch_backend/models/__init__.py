@@ -1,0 +1,30 @@
+"""Models of the PyTorch backend; ``build_model`` is the one entry point the engine uses."""
+from __future__ import annotations
+
+import torch
+
+from lmd.errors import ModelFormatError
+from lmd.model_config import ModelConfig
+
+from .llama import CausalLM
+
+# family (ModelConfig.family) -> implementation; every supported family is Llama-shaped.
+MODEL_CLASSES = {
+    'llama': CausalLM,
+    'mistral': CausalLM,
+    'qwen2': CausalLM,
+    'qwen3': CausalLM,
+}
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str = 'cpu', kernel_backend: str | None = None) -> CausalLM:
+    """Build a model from HF-named weights; raises ModelFormatError when they do not fit."""
+    cls = MODEL_CLASSES.get(config.family)
+    if cls is None:
+        raise ModelFormatError(f'the pytorch backend has no model for family {config.family!r} '
+                               f'({config.architecture})')
+    return cls(config, weights, dtype, device, kernel_backend)
+
+
+__all__ = ['CausalLM', 'build_model', 'MODEL_CLASSES']

@@ -1,0 +1,224 @@
+"""The Llama family in plain torch: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2, Qwen3.
+
+The four differ only in small switches read from ``ModelConfig``:
+- Qwen2 has biases on q/k/v (``attention_bias``);
+- Qwen3 RMS-normalises q and k per head before RoPE (``qk_norm``) and has an
+  explicit ``head_dim``;
+- Llama may carry a bias on o_proj too (``attention_bias``) and on the MLP
+  (``mlp_bias``); Llama-3 and others scale RoPE (``rope.py``).
+
+Weights load from HF names and are fused at load: q/k/v into one ``qkv``
+([(Hq + 2 Hk) * D, H]) and gate/up into one ``gate_up`` ([2 I, H]), so a layer
+runs four matmuls. The decoder loop lives in ``CausalLM.forward`` on purpose: a
+decode step is Python-overhead bound at small batch, and the loop touches plain
+tensors rather than module trees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lmd.errors import ModelFormatError
+from lmd.model_config import ModelConfig
+
+from ..context import StepContext
+from ..kernels import Kernels, get_kernels
+from .rope import build_cos_sin_cache
+
+# Buffers some checkpoints still carry; recomputed here, never read.
+_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor          # [H]
+    qkv_weight: torch.Tensor          # [(Hq + 2 Hk) * D, H]
+    qkv_bias: torch.Tensor | None     # [(Hq + 2 Hk) * D]
+    q_norm: torch.Tensor | None       # [D] (Qwen3)
+    k_norm: torch.Tensor | None       # [D] (Qwen3)
+    o_weight: torch.Tensor            # [H, Hq * D]
+    o_bias: torch.Tensor | None       # [H]
+    post_norm: torch.Tensor           # [H]
+    gate_up_weight: torch.Tensor      # [2 I, H]
+    gate_up_bias: torch.Tensor | None  # [2 I]
+    down_weight: torch.Tensor         # [H, I]
+    down_bias: torch.Tensor | None    # [H]
+
+
+def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF tensor name -> shape for every tensor the model needs, and the set of names
+    that may be present but are not required (tied lm_head)."""
+    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
+    o_bias = config.attention_bias and config.family in ('llama', 'qwen3')
+    mlp_bias = bool(config.raw.get('mlp_bias', False))
+    shapes: dict[str, tuple[int, ...]] = {
+        'model.embed_tokens.weight': (config.vocab_size, H),
+        'model.norm.weight': (H,),
+    }
+    optional: set[str] = set()
+    if config.tie_word_embeddings:
+        optional.add('lm_head.weight')
+    shapes['lm_head.weight'] = (config.vocab_size, H)
+    for n in range(config.num_layers):
+        p = f'model.layers.{n}.'
+        shapes[p + 'input_layernorm.weight'] = (H,)
+        shapes[p + 'post_attention_layernorm.weight'] = (H,)
+        for name, rows in (('q_proj', q_size), ('k_proj', kv_size), ('v_proj', kv_size)):
+            shapes[p + f'self_attn.{name}.weight'] = (rows, H)
+            if config.attention_bias:
+                shapes[p + f'self_attn.{name}.bias'] = (rows,)
+        shapes[p + 'self_attn.o_proj.weight'] = (H, q_size)
+        if o_bias:
+            shapes[p + 'self_attn.o_proj.bias'] = (H,)
+        if config.qk_norm:
+            shapes[p + 'self_attn.q_norm.weight'] = (D,)
+            shapes[p + 'self_attn.k_norm.weight'] = (D,)
+        shapes[p + 'mlp.gate_proj.weight'] = (I, H)
+        shapes[p + 'mlp.up_proj.weight'] = (I, H)
+        shapes[p + 'mlp.down_proj.weight'] = (H, I)
+        if mlp_bias:
+            shapes[p + 'mlp.gate_proj.bias'] = (I,)
+            shapes[p + 'mlp.up_proj.bias'] = (I,)
+            shapes[p + 'mlp.down_proj.bias'] = (H,)
+    return shapes, optional
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ModelFormatError naming every unknown, missing or wrongly shaped tensor."""
+    shapes, optional = expected_weight_shapes(config)
+    problems = []
+    for name, t in weights.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name not in shapes:
+            problems.append(f'unexpected tensor {name!r} with shape {list(t.shape)}')
+        elif tuple(t.shape) != shapes[name]:
+            problems.append(f'tensor {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}')
+    for name, shape in shapes.items():
+        if name not in weights and name not in optional:
+            problems.append(f'missing tensor {name!r} (expected shape {list(shape)})')
+    if problems:
+        more = f' (and {len(problems) - 8} more)' if len(problems) > 8 else ''
+        raise ModelFormatError(f'{config.architecture} weights do not match config.json: '
+                               + '; '.join(problems[:8]) + more)
+
+
+class CausalLM:
+    """A Llama-family decoder over a paged KV cache; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = 'cpu', kernel_backend: str | None = None):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        check_weights(config, weights)
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kernels: Kernels = get_kernels(self.device, kernel_backend)
+        self.num_layers = config.num_layers
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim ** -0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return get(name) if name in weights else None
+
+        def cat(names: list[str]) -> torch.Tensor | None:
+            if names[0] not in weights:
+                return None
+            return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
+
+        self.embed_tokens = get('model.embed_tokens.weight')
+        self.norm = get('model.norm.weight')
+        # tied models share the embedding (a checkpoint may still carry a copy of it)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
+        self.layers: list[DecoderLayer] = []
+        for n in range(config.num_layers):
+            p = f'model.layers.{n}.'
+            attn, mlp = p + 'self_attn.', p + 'mlp.'
+            self.layers.append(DecoderLayer(
+                input_norm=get(p + 'input_layernorm.weight'),
+                qkv_weight=cat([attn + f'{x}_proj.weight' for x in 'qkv']),
+                qkv_bias=cat([attn + f'{x}_proj.bias' for x in 'qkv']),
+                q_norm=maybe(attn + 'q_norm.weight'),
+                k_norm=maybe(attn + 'k_norm.weight'),
+                o_weight=get(attn + 'o_proj.weight'),
+                o_bias=maybe(attn + 'o_proj.bias'),
+                post_norm=get(p + 'post_attention_layernorm.weight'),
+                gate_up_weight=cat([mlp + 'gate_proj.weight', mlp + 'up_proj.weight']),
+                gate_up_bias=cat([mlp + 'gate_proj.bias', mlp + 'up_proj.bias']),
+                down_weight=get(mlp + 'down_proj.weight'),
+                down_bias=maybe(mlp + 'down_proj.bias'),
+            ))
+        self.cos_sin_cache = build_cos_sin_cache(config, dtype, self.device)
+
+    # -- KV cache -------------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hk, D], zero-filled so
+        masked padding never multiplies garbage (0 * NaN) into the output."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.num_layers)]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    # -- forward --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, H] after the final norm; writes the new
+        tokens' K/V into ctx.kv_caches at ctx.slot_mapping."""
+        kern = self.kernels
+        rms_norm, apply_rotary, silu_and_mul = kern.rms_norm, kern.apply_rotary, kern.silu_and_mul
+        fill_kv_cache, paged_attention = kern.fill_kv_cache, kern.paged_attention
+        linear = F.linear
+        eps, scale, cos_sin = self.eps, self.scale, self.cos_sin_cache
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = self.q_size, self.kv_size
+        q_shape = (num_tokens, self.num_heads, self.head_dim)
+        kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        slot_mapping = ctx.slot_mapping
+
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, (k_cache, v_cache) in zip(self.layers, ctx.kv_caches):
+            # attention block
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
+            q = qkv[:, :q_size].view(q_shape)
+            k = qkv[:, q_size:q_size + kv_size].view(kv_shape)
+            v = qkv[:, q_size + kv_size:].view(kv_shape)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q, k = apply_rotary(q, k, positions, cos_sin)
+            fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, ctx, scale)
+            hidden = hidden + linear(o.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            # MLP block
+            x = rms_norm(hidden, layer.post_norm, eps)
+            x = silu_and_mul(linear(x, layer.gate_up_weight, layer.gate_up_bias))
+            hidden = hidden + linear(x, layer.down_weight, layer.down_bias)
+        return rms_norm(hidden, self.norm, eps)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (already normed by forward) -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,433 @@
+"""The sampler: one step's logits in, one token (and optional logprobs) per request out.
+
+Processing order, as HF ``generate`` applies it:
+
+    repetition_penalty (prompt + generated ids)  ->  presence / frequency penalty
+    (generated ids, OpenAI semantics)  ->  bad_token_ids to -inf  ->  stop_token_ids
+    to -inf while num_generated < min_new_tokens  ->  greedy: argmax
+    ->  else temperature -> top_k -> top_p -> min_p -> draw
+
+Logprobs are ``log_softmax`` of the raw logits, before any of the above (vLLM's default).
+
+Reproducibility: a seeded request owns a ``torch.Generator`` that only advances
+when that request draws. Every sampled row takes exactly one uniform ``u`` per step
+(a seeded row from its own generator, the others from one shared generator per
+device) and picks the token where ``u`` falls in the cumulative distribution of its
+filtered probabilities. That depends only on the row's logits, params and generator,
+so a seeded request samples the same tokens whatever else is in the batch, in
+whatever row order, and across preemption-by-recompute (its state survives). (An
+exponential race over the vocabulary would need V random numbers per row per step;
+on CPU those cost more than the whole rest of a step.)
+
+Speed: a batch that needs no penalty, mask or logprobs and is all greedy is one
+``argmax`` over ``[B, V]`` with no copy. Penalties and masks of all rows are one
+gather/scatter over flat indices; top_k rows work on ``topk`` candidates, top_p /
+min_p rows on a ``topk`` prefix, and only rows whose kept set may pass the prefix
+are fully sorted. Per-row Python work is building index tensors (cached on each
+state) and one ``torch.rand(1)`` per seeded row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmd.engine import SamplingParams
+
+_NEG_INF = float('-inf')
+
+# device -> generator shared by every row that has no random_seed
+_shared_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _shared_generator(device: torch.device) -> torch.Generator:
+    g = _shared_generators.get(device)
+    if g is None:
+        g = torch.Generator(device=device)
+        g.seed()
+        _shared_generators[device] = g
+    return g
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Sampling reduces to argmax (ties: lowest id)."""
+    return params.greedy or params.temperature == 0.0 or params.top_k == 1
+
+
+class SamplingState:
+    """Per-request mutable sampling state; lives as long as the request (preemption included)."""
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int]):
+        self.params = params
+        self.greedy = is_greedy(params)
+        self.num_generated = 0
+        # token id -> times generated (presence / frequency penalties)
+        self.output_counts: dict[int, int] = {}
+        # ids of prompt + generated, each once, in first-seen order (repetition penalty)
+        self._seen: set[int] = set()
+        self._seen_ids: list[int] = []
+        for t in prompt_token_ids:
+            if t not in self._seen:
+                self._seen.add(t)
+                self._seen_ids.append(t)
+        self._has_repetition = params.repetition_penalty != 1.0
+        self._has_output_penalty = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self._generator: torch.Generator | None = None
+        # tensors built on first use, per device
+        self._seen_tensor: torch.Tensor | None = None
+        self._masks: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+    def append(self, token_id: int) -> None:
+        """Record a token this request generated."""
+        self.num_generated += 1
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if token_id not in self._seen:
+            self._seen.add(token_id)
+            self._seen_ids.append(token_id)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator this request draws from: its own when seeded, else the shared one."""
+        if self.params.random_seed is None:
+            return _shared_generator(device)
+        g = self._generator
+        if g is None or g.device != device:
+            # a new device restarts the stream; engines keep one device for a request's life
+            g = torch.Generator(device=device)
+            g.manual_seed(self.params.random_seed)
+            self._generator = g
+        return g
+
+    @property
+    def has_seed(self) -> bool:
+        return self.params.random_seed is not None
+
+    def needs_processing(self) -> bool:
+        """Whether any penalty or mask touches this row's logits this step."""
+        p = self.params
+        return (self._has_repetition or self._has_output_penalty or bool(p.bad_token_ids)
+                or (self.num_generated < p.min_new_tokens and bool(p.stop_token_ids)))
+
+    # --- index tensors the sampler scatters into the logits ---------------------------------
+
+    def seen_ids(self, device: torch.device) -> torch.Tensor:
+        t = self._seen_tensor
+        n = len(self._seen_ids)
+        if t is None or t.device != device:
+            t = torch.tensor(self._seen_ids, dtype=torch.long, device=device)
+        elif t.numel() < n:
+            tail = torch.tensor(self._seen_ids[t.numel():], dtype=torch.long, device=device)
+            t = torch.cat([t, tail])
+        self._seen_tensor = t
+        return t
+
+    def output_ids_and_counts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(list(self.output_counts.keys()), dtype=torch.long, device=device)
+        counts = torch.tensor(list(self.output_counts.values()), dtype=torch.float32, device=device)
+        return ids, counts
+
+    def masked_ids(self, device: torch.device, vocab_size: int) -> torch.Tensor | None:
+        """Ids to set to -inf this step: bad ids, plus stop ids until min_new_tokens (ids >= V dropped)."""
+        p = self.params
+        block_stop = self.num_generated < p.min_new_tokens and bool(p.stop_token_ids)
+        kind = 'bad+stop' if block_stop else 'bad'
+        key = (kind, device, vocab_size)
+        t = self._masks.get(key)
+        if t is None:
+            ids = set(p.bad_token_ids)
+            if block_stop:
+                ids.update(p.stop_token_ids)
+            ids = sorted(i for i in ids if 0 <= i < vocab_size)
+            t = torch.tensor(ids, dtype=torch.long, device=device)
+            self._masks[key] = t
+        return t if t.numel() else None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None unless params.logprobs is set; else {chosen: lp, then top-k alternatives, best first}
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Stateless: everything per request lives in its ``SamplingState``."""
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        # logits: [B, V] float32, one row per state; never modified
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f'Sampler.sample: logits of shape {tuple(logits.shape)} for {len(states)} states')
+        batch, vocab = logits.shape
+        owned = False
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+            owned = True
+
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            raw_logprobs = torch.log_softmax(_take_rows(logits, lp_rows), dim=-1)
+
+        work = self.process_logits(logits, states, owned)
+
+        greedy_rows = [i for i, s in enumerate(states) if s.greedy]
+        if len(greedy_rows) == batch:
+            token_ids = work.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                idx = torch.tensor(greedy_rows, device=logits.device)
+                token_ids[idx] = work.index_select(0, idx).argmax(dim=-1)
+            sample_rows = [i for i, s in enumerate(states) if not s.greedy]
+            x = _take_rows(work, sample_rows)
+            token_ids[torch.tensor(sample_rows, device=logits.device)] = self._sample_rows(
+                x, [states[i] for i in sample_rows])
+        ids = token_ids.tolist()
+
+        logprobs: list[dict[int, float] | None] = [None] * batch
+        if lp_rows:
+            self._fill_logprobs(raw_logprobs, lp_rows, ids, states, logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+    # --- penalties and masks -----------------------------------------------------------------
+
+    def process_logits(self, logits: torch.Tensor, states: list[SamplingState],
+                       owned: bool = False) -> torch.Tensor:
+        """Penalties and masks; returns ``logits`` itself when no row needs any, else a processed copy.
+
+        ``owned``: the caller gives ``logits`` away, so it may be processed in place.
+        """
+        rows = [i for i, s in enumerate(states) if s.needs_processing()]
+        if not rows:
+            return logits
+        vocab = logits.shape[1]
+        device = logits.device
+        work = logits if owned and logits.is_contiguous() else logits.clone(memory_format=torch.contiguous_format)
+        flat = work.view(-1)
+
+        rep_idx, rep_pen = [], []
+        out_idx, out_delta = [], []
+        mask_idx = []
+        for i in rows:
+            s = states[i]
+            p = s.params
+            base = i * vocab
+            if s._has_repetition:
+                seen = s.seen_ids(device)
+                if seen.numel():
+                    rep_idx.append(seen + base)
+                    rep_pen.append(torch.full((seen.numel(),), p.repetition_penalty, device=device))
+            if s._has_output_penalty and s.output_counts:
+                ids, counts = s.output_ids_and_counts(device)
+                out_idx.append(ids + base)
+                out_delta.append(counts * p.frequency_penalty + p.presence_penalty)
+            masked = s.masked_ids(device, vocab)
+            if masked is not None:
+                mask_idx.append(masked + base)
+
+        if rep_idx:
+            # HF RepetitionPenaltyLogitsProcessor: negative logits multiplied, positive divided
+            idx = torch.cat(rep_idx)
+            pen = torch.cat(rep_pen)
+            vals = flat[idx]
+            flat[idx] = torch.where(vals < 0, vals * pen, vals / pen)
+        if out_idx:
+            idx = torch.cat(out_idx)
+            flat[idx] = flat[idx] - torch.cat(out_delta)
+        if mask_idx:
+            flat[torch.cat(mask_idx)] = _NEG_INF
+        return work
+
+    # --- sampling ---------------------------------------------------------------------------
+
+    def _sample_rows(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Draw one token per row of ``x`` ([n, V], already penalized); returns [n] long."""
+        n, vocab = x.shape
+        device = x.device
+        u = self._uniforms(states, device)
+        out = torch.empty(n, dtype=torch.long, device=device)
+
+        # each row's path depends only on its own params and logits (keeps a seeded row batch-independent)
+        plain, top_k, nucleus = [], [], []
+        for r, s in enumerate(states):
+            p = s.params
+            if 0 < p.top_k < vocab:
+                top_k.append(r)
+            elif p.top_p < 1.0 or p.min_p > 0.0:
+                nucleus.append(r)
+            else:
+                plain.append(r)
+
+        if plain:
+            group = [states[r] for r in plain]
+            probs = _scale(_take_rows(x, plain), group).softmax(dim=-1)
+            out[torch.tensor(plain, device=device)] = draw(probs, _take_rows(u, plain))
+        if top_k:
+            group = [states[r] for r in top_k]
+            # temperature keeps the order: cut first, then scale only the candidates
+            vals, cand = _take_rows(x, top_k).topk(max(s.params.top_k for s in group), dim=-1)  # best first
+            probs = filter_sorted(_scale(vals, group), *_cuts(group, device))
+            choice = draw(probs, _take_rows(u, top_k))
+            out[torch.tensor(top_k, device=device)] = cand.gather(1, choice[:, None]).squeeze(1)
+        if nucleus:
+            group = [states[r] for r in nucleus]
+            out[torch.tensor(nucleus, device=device)] = self._sample_nucleus(
+                _scale(_take_rows(x, nucleus), group), group, _take_rows(u, nucleus))
+        return out
+
+    def _sample_nucleus(self, x: torch.Tensor, states: list[SamplingState], u: torch.Tensor) -> torch.Tensor:
+        """Rows without top_k but with top_p and/or min_p.
+
+        Sorting 49k logits per row is the cost; the kept set almost always lies within the
+        best ``NUCLEUS_PREFIX`` tokens, so take those with ``topk`` and fully sort only the
+        rows where it may not (whether a row does depends only on that row).
+        """
+        n, vocab = x.shape
+        device = x.device
+        lse = x.logsumexp(dim=-1)
+        top_k, top_p, min_p = _cuts(states, device)
+        width = min(vocab, self.NUCLEUS_PREFIX)
+        vals, cand = x.topk(width, dim=-1)
+        if width < vocab:
+            full = (vals - lse[:, None]).exp()
+            mass = full.cumsum(dim=-1)[:, -1]
+            covered = ((top_p < 1.0) & (mass >= top_p)) | ((min_p > 0.0) & (full[:, -1] < min_p * full[:, 0]))
+            if not bool(covered.all()):
+                rest = (~covered).nonzero().squeeze(1)
+                sorted_vals, sorted_cand = x[rest].sort(dim=-1, descending=True, stable=True)
+                out = torch.empty(n, dtype=torch.long, device=device)
+                out[rest] = self._draw_sorted(sorted_vals, sorted_cand, top_k[rest], top_p[rest], min_p[rest],
+                                              lse[rest], u[rest])
+                done = covered.nonzero().squeeze(1)
+                if done.numel():
+                    out[done] = self._draw_sorted(vals[done], cand[done], top_k[done], top_p[done],
+                                                  min_p[done], lse[done], u[done])
+                return out
+        return self._draw_sorted(vals, cand, top_k, top_p, min_p, lse, u)
+
+    @staticmethod
+    def _draw_sorted(vals, cand, top_k, top_p, min_p, lse, u) -> torch.Tensor:
+        probs = filter_sorted(vals, top_k, top_p, min_p, lse)
+        return cand.gather(1, draw(probs, u)[:, None]).squeeze(1)
+
+    # rows without top_k look at this many best tokens before falling back to a full sort
+    NUCLEUS_PREFIX = 1024
+
+    @staticmethod
+    def _uniforms(states: list[SamplingState], device: torch.device) -> torch.Tensor:
+        """[n] U[0, 1): each row takes exactly one value per step, a seeded row from its own generator."""
+        u = torch.empty(len(states), dtype=torch.float32, device=device)
+        unseeded = [r for r, s in enumerate(states) if not s.has_seed]
+        if unseeded:
+            shared = torch.rand(len(unseeded), generator=_shared_generator(device), device=device)
+            u[torch.tensor(unseeded, device=device)] = shared
+        seeded = [r for r, s in enumerate(states) if s.has_seed]
+        if seeded:
+            own = [torch.rand(1, generator=states[r].generator(device), device=device) for r in seeded]
+            u[torch.tensor(seeded, device=device)] = torch.cat(own)
+        return u
+
+    def warp(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, top_k, top_p, min_p as the sampling paths apply them, back in vocab order.
+
+        Not the hot path (it sorts every row); for tests and debugging: ``softmax`` of the
+        result is the distribution a sampled row draws from (cut tokens are -inf).
+        """
+        device = logits.device
+        temps = torch.tensor([s.params.temperature for s in states], dtype=torch.float32, device=device)
+        x = logits / temps[:, None]
+        vals, cand = x.sort(dim=-1, descending=True, stable=True)
+        top_k, top_p, min_p = _cuts(states, device)
+        lse = torch.where(top_k < x.shape[1], torch.full_like(top_p, float('nan')), x.logsumexp(dim=-1))
+        probs = torch.empty_like(vals)
+        for r in range(x.shape[0]):
+            # top-k rows normalize over their top-k set, others over the vocab, as the hot paths do
+            row_lse = None if bool(lse[r].isnan()) else lse[r:r + 1]
+            probs[r:r + 1] = filter_sorted(vals[r:r + 1], top_k[r:r + 1], top_p[r:r + 1], min_p[r:r + 1], row_lse)
+        return torch.empty_like(vals).scatter_(1, cand, probs.log())
+
+    # --- logprobs ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _fill_logprobs(raw_logprobs: torch.Tensor, lp_rows: list[int], ids: list[int],
+                       states: list[SamplingState], out: list[dict[int, float] | None]) -> None:
+        # raw_logprobs: [len(lp_rows), V] (or [B, V] when every row asked)
+        device = raw_logprobs.device
+        chosen = torch.tensor([ids[i] for i in lp_rows], device=device)
+        chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        ks = [states[i].params.logprobs for i in lp_rows]
+        k_max = max(ks)
+        top_vals = top_ids = None
+        if k_max > 0:
+            v, t = raw_logprobs.topk(k_max, dim=-1)
+            top_vals, top_ids = v.tolist(), t.tolist()
+        for j, i in enumerate(lp_rows):
+            d = {ids[i]: chosen_lp[j]}
+            for t, v in zip(top_ids[j][:ks[j]] if k_max else (), top_vals[j][:ks[j]] if k_max else ()):
+                d.setdefault(t, v)
+            out[i] = d
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, without a copy when ``rows`` is every row in order."""
+    if len(rows) == t.shape[0] and rows == list(range(len(rows))):
+        return t
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+def _scale(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Divide each row by its temperature (a new tensor unless every temperature is 1)."""
+    temps = [s.params.temperature for s in states]
+    if all(t == 1.0 for t in temps):
+        return x
+    return x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]
+
+
+def _cuts(states: list[SamplingState], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n] top_k (no top-k cut: a huge k), top_p, min_p of each state."""
+    no_cut = 2 ** 62
+    top_k = torch.tensor([s.params.top_k or no_cut for s in states], dtype=torch.long, device=device)
+    top_p = torch.tensor([s.params.top_p for s in states], dtype=torch.float32, device=device)
+    min_p = torch.tensor([s.params.min_p for s in states], dtype=torch.float32, device=device)
+    return top_k, top_p, min_p
+
+
+def filter_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply top_k, top_p, min_p (in that order) to logits sorted best first; return kept probabilities.
+
+    vals: [n, K] float32, descending per row (a prefix of the row when ``lse`` is given);
+    top_k: [n] long (K or more: no cut); top_p: [n] (1.0: no cut); min_p: [n] (0.0: no cut);
+    lse: [n] logsumexp of the whole row (None: of the top-k-cut ``vals``).
+    Returns [n, K]: each token's probability after top_k, zero where cut later; not
+    renormalized. Same sets as HF's ``TopKLogitsWarper`` (up to exact ties at the k-th
+    value), ``TopPLogitsWarper`` (keep a token while the mass of strictly better tokens
+    is below top_p) and ``MinPLogitsWarper``. The best token is always kept.
+    """
+    n, width = vals.shape
+    pos = torch.arange(width, device=vals.device)
+    vals = vals.masked_fill(pos[None, :] >= top_k[:, None], _NEG_INF)
+    if lse is None:
+        lse = vals.logsumexp(dim=-1)
+    probs = (vals - lse[:, None]).exp()
+    if bool((top_p < 1.0).any()):
+        mass_before = probs.cumsum(dim=-1) - probs
+        limit = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, float('inf')))
+        cut = mass_before >= limit[:, None]
+        cut[:, 0] = False
+        probs = probs.masked_fill(cut, 0.0)
+    if bool((min_p > 0.0).any()):
+        # relative to the best token, so the top_p renormalization does not change the cut
+        cut = probs < (min_p[:, None] * probs[:, :1])
+        cut[:, 0] = False
+        probs = probs.masked_fill(cut, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [n, K] non-negative (need not sum to 1), u [n] in [0, 1) -> [n] column."""
+    cdf = probs.cumsum(dim=-1)
+    target = u * cdf[:, -1]
+    j = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    # u * total may round up to total: stay on the last token that has mass
+    last = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(j, last)

@@ -1,0 +1,62 @@
+"""The `lmd` command: help everywhere, one clear line for a user's mistake."""
+import subprocess
+import sys
+
+import pytest
+
+
+def lmd(*args, timeout=120, input=None):
+    return subprocess.run([sys.executable, '-m', 'lmd.cli', *args], capture_output=True, text=True,
+                          timeout=timeout, input=input)
+
+
+@pytest.mark.parametrize('args', [['--help'], ['chat', '--help'], ['convert', '--help']])
+def test_help_exits_zero(args):
+    r = lmd(*args)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout + r.stderr
+    assert 'NAME' in text or 'Usage' in text or 'USAGE' in text
+    if args[0] == 'chat':
+        assert '/reset' in text and 'model_path' in text.replace('-', '_')
+
+
+def test_console_script_is_installed():
+    import shutil
+    exe = shutil.which('lmd')
+    assert exe, 'the lmd console script is not on PATH'
+    r = subprocess.run([exe, '--help'], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+
+
+def test_missing_model_is_one_line(tmp_path):
+    r = lmd('convert', str(tmp_path / 'nope.gguf'), str(tmp_path / 'out'))
+    assert r.returncode == 2
+    assert r.stderr.startswith('lmd: error:') and 'nope.gguf' in r.stderr
+    assert 'Traceback' not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_gguf_is_one_line(tmp_path):
+    bad = tmp_path / 'bad.gguf'
+    bad.write_bytes(b'GGUF' + b'\x00' * 64)
+    r = lmd('chat', str(bad), input='/exit\n')
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith('lmd: error:') and 'bad.gguf' in r.stderr
+    assert 'Traceback' not in r.stderr
+
+
+def test_turbomind_not_yet_is_clear():
+    r = lmd('chat', '--backend', 'turbomind', input='/exit\n')
+    assert r.returncode == 2
+    assert 'TurboMind' in r.stderr and 'pytorch' in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_chat_streams_keeps_conversation_and_resets():
+    script = 'My name is Ada. Reply with one word.\nWhat is my name?\n/reset\nWhat is my name?\n/exit\n'
+    r = lmd('chat', '--max-new-tokens', '24', input=script, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert '(new conversation)' in out
+    before, after = out.split('(new conversation)')
+    # the second turn remembers the first; after /reset the model no longer knows
+    assert 'Ada' in before.split('What is my name?')[-1] if 'What is my name?' in before else 'Ada' in before
+    assert before.count('>>>') >= 2

@@ -1,0 +1,248 @@
+"""Kernels of the PyTorch backend: torch versions against plain references, and the Triton
+versions against their torch twins under the Triton interpreter (TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import os
+
+# Triton decides at @triton.jit time whether a kernel is interpreted: set this before any
+# Triton kernel module of ours is imported.
+os.environ['TRITON_INTERPRET'] = '1'
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lmd.pytorch_backend.context import StepContext  # noqa: E402
+from lmd.pytorch_backend.kernels import get_kernels, torch_ops  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+# -- plain references (written the way HF writes them) -------------------------------------------
+
+def ref_rms_norm(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def ref_rotary(x, positions, cos_sin_cache):
+    half = cos_sin_cache.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions, :half], cos_sin_cache[positions, half:]
+    cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    rot = 2 * half
+    xr = x[..., :rot]
+    rotated = torch.cat((-xr[..., half:], xr[..., :half]), -1)
+    return torch.cat((xr * cos + rotated * sin, x[..., rot:]), -1)
+
+
+def ref_silu_and_mul(x):
+    inter = x.shape[-1] // 2
+    return F.silu(x[:, :inter]) * x[:, inter:]
+
+
+def ref_paged_attention(q, k_cache, v_cache, ctx, scale):
+    """Token by token: gather the visible context through the block table, softmax in float32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    bs = ctx.block_size
+    t = 0
+    for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
+        for j in range(q_len):
+            visible = ctx_len - q_len + j + 1
+            slots = [(int(ctx.block_tables[i, p // bs]), p % bs) for p in range(visible)]
+            k = torch.stack([k_cache[b, o] for b, o in slots]).float()    # [L, Hk, D]
+            v = torch.stack([v_cache[b, o] for b, o in slots]).float()
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = torch.einsum('hd,lhd->hl', q[t].float(), k) * scale
+            out[t] = torch.einsum('hl,lhd->hd', scores.softmax(-1), v).to(q.dtype)
+            t += 1
+    return out
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def make_ctx(query_lens, context_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, num_blocks=None):
+    """Random caches and a StepContext over shuffled, non-contiguous blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = num_blocks or sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(query_lens), max(blocks_per_seq), dtype=torch.int32)
+    slots = []
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        ids = [perm.pop() for _ in range(blocks_per_seq[i])]
+        tables[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(ctx_len - q_len, ctx_len):
+            slots.append(ids[p // block_size] * block_size + p % block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    ql = torch.tensor(query_lens, dtype=torch.int32)
+    ctx = StepContext(
+        kv_caches=[(k_cache, v_cache)], block_size=block_size, slot_mapping=torch.tensor(slots),
+        query_lens=ql, cu_query_lens=F.pad(ql.cumsum(0), (1, 0)).to(torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=tables,
+        is_decode=all(n == 1 for n in query_lens),
+        query_lens_list=list(query_lens), context_lens_list=list(context_lens))
+    return ctx, k_cache, v_cache
+
+
+def cos_sin(max_pos, rot_dim, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    f = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat((f.cos(), f.sin()), -1).to(dtype)
+
+
+ATTN_CASES = [
+    # (query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim)
+    ([1], [1], 4, 4, 2, 16),                        # decode, first token
+    ([1], [37], 4, 9, 3, 64),                       # decode, SmolLM2 heads
+    ([1, 1, 1], [5, 17, 2], 4, 4, 2, 24),           # batched decode, padded block tables
+    ([1, 1], [33, 16], 16, 4, 4, 32),               # MHA, bigger blocks
+    ([7], [7], 4, 4, 2, 16),                        # prefill from scratch
+    ([4, 1, 6], [11, 9, 6], 4, 6, 2, 16),           # mixed: chunked prefill, decode, fresh prefill
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# -- torch kernels vs references --------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape', [(1, 576), (5, 64), (3, 4, 24)])
+def test_torch_rms_norm(shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype)
+    torch.testing.assert_close(torch_ops.rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('heads,head_dim,rot_dim', [((4, 2), 16, 16), ((9, 3), 64, 64), ((2, 1), 24, 12)])
+def test_torch_apply_rotary(heads, head_dim, rot_dim, dtype):
+    positions = torch.tensor([0, 3, 17, 5, 63])
+    q = torch.randn(5, heads[0], head_dim).to(dtype)
+    k = torch.randn(5, heads[1], head_dim).to(dtype)
+    cache = cos_sin(64, rot_dim, dtype)
+    q2, k2 = torch_ops.apply_rotary(q.clone(), k.clone(), positions, cache)
+    torch.testing.assert_close(q2, ref_rotary(q, positions, cache), **TOL[dtype])
+    torch.testing.assert_close(k2, ref_rotary(k, positions, cache), **TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_torch_silu_and_mul(dtype):
+    x = torch.randn(6, 2 * 96).to(dtype)
+    torch.testing.assert_close(torch_ops.silu_and_mul(x), ref_silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_torch_fill_kv_cache(dtype):
+    k_cache = torch.zeros(6, 4, 2, 8, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([13, 2, 20, 7])
+    k, v = torch.randn(4, 2, 8).to(dtype), torch.randn(4, 2, 8).to(dtype)
+    torch_ops.fill_kv_cache(k, v, k_cache, v_cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // 4, s % 4], k[t]) and torch.equal(v_cache[s // 4, s % 4], v[t])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 4  # nothing else written
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('case', ATTN_CASES)
+def test_torch_paged_attention(case, dtype):
+    query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim = case
+    ctx, k_cache, v_cache = make_ctx(query_lens, context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+    torch.testing.assert_close(out, ref_paged_attention(q, k_cache, v_cache, ctx, scale), **TOL[dtype])
+
+
+def test_dispatch_table():
+    assert get_kernels('cpu').name == 'torch'
+    assert get_kernels('cpu', 'triton').name == 'triton'
+    with pytest.raises(ValueError, match='unknown kernel backend'):
+        get_kernels('cpu', 'cuda-graphs')
+
+
+# -- Triton kernels vs their torch twins (interpreted on CPU) ---------------------------------
+
+TRITON_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope='module')
+def triton_kernels():
+    from triton.runtime.interpreter import InterpretedFunction
+    from lmd.pytorch_backend.kernels.triton import attention, norm
+    if not isinstance(norm._rms_norm_kernel, InterpretedFunction) or \
+            not isinstance(attention._paged_decode_kernel, InterpretedFunction):
+        pytest.fail('Triton kernels were imported before TRITON_INTERPRET=1 was set, so they cannot '
+                    'run on CPU in this process; run tests/test_kernels.py in its own pytest process')
+    return get_kernels('cpu', 'triton')
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+@pytest.mark.parametrize('shape', [(3, 576), (2, 4, 24)])
+def test_triton_rms_norm(triton_kernels, shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype)
+    torch.testing.assert_close(triton_kernels.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6), **TOL[dtype])
+
+
+def test_triton_rms_norm_strided_heads(triton_kernels):
+    # q heads as a view into a fused qkv row, as Qwen3's q_norm sees them
+    qkv = torch.randn(3, (4 + 2 * 2) * 24)
+    q = qkv[:, :96].view(3, 4, 24)
+    w = torch.randn(24)
+    torch.testing.assert_close(triton_kernels.rms_norm(q, w, 1e-6), torch_ops.rms_norm(q, w, 1e-6), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+@pytest.mark.parametrize('heads,head_dim,rot_dim', [((4, 2), 16, 16), ((9, 3), 64, 64), ((3, 1), 24, 12)])
+def test_triton_apply_rotary(triton_kernels, heads, head_dim, rot_dim, dtype):
+    positions = torch.tensor([0, 3, 17, 63])
+    # q and k as views of one fused qkv buffer, rotated in place
+    qkv = torch.randn(4, (heads[0] + 2 * heads[1]) * head_dim).to(dtype)
+    q = qkv[:, :heads[0] * head_dim].view(4, heads[0], head_dim)
+    k = qkv[:, heads[0] * head_dim:(heads[0] + heads[1]) * head_dim].view(4, heads[1], head_dim)
+    v_before = qkv[:, (heads[0] + heads[1]) * head_dim:].clone()
+    cache = cos_sin(64, rot_dim, dtype)
+    want_q, want_k = torch_ops.apply_rotary(q.clone(), k.clone(), positions, cache)
+    got_q, got_k = triton_kernels.apply_rotary(q, k, positions, cache)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (heads[0] + heads[1]) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+def test_triton_silu_and_mul(triton_kernels, dtype):
+    x = torch.randn(3, 2 * 1536).to(dtype)
+    torch.testing.assert_close(triton_kernels.silu_and_mul(x), torch_ops.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+def test_triton_fill_kv_cache(triton_kernels, dtype):
+    kv = torch.randn(4, 2 * 3, 24).to(dtype)    # k and v as views of one buffer, like qkv
+    k, v = kv[:, :3], kv[:, 3:]
+    slots = torch.tensor([13, 2, -1, 7])         # -1: padding token, skipped by Triton
+    want_k, want_v = torch.zeros(6, 4, 3, 24, dtype=dtype), torch.zeros(6, 4, 3, 24, dtype=dtype)
+    keep = slots >= 0
+    torch_ops.fill_kv_cache(k[keep], v[keep], want_k, want_v, slots[keep])
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    triton_kernels.fill_kv_cache(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+@pytest.mark.parametrize('case', [c for c in ATTN_CASES if all(n == 1 for n in c[0])])
+def test_triton_paged_decode_attention(triton_kernels, case, dtype):
+    query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim = case
+    ctx, k_cache, v_cache = make_ctx(query_lens, context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(query_lens), num_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    want = torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+    got = triton_kernels.paged_attention(q, k_cache, v_cache, ctx, scale)
+    torch.testing.assert_close(got, want, **TOL[dtype])
