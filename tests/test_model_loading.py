@@ -199,7 +199,7 @@ def test_smollm2_greedy_answers_paris(smollm2_dir, smollm2_hf_model):
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     msgs = [{'role': 'user', 'content': 'What is the capital of France?'}]
     inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors='pt', return_dict=True)
-    out = smollm2_hf_model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    out = smollm2_hf_model.generate(**inputs, max_new_tokens=10, do_sample=False)
     answer = tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)
     assert 'Paris' in answer
 
@@ -373,6 +373,14 @@ def test_hf_dir_is_returned_as_is(tmp_path, tiny_gguf):
     assert prepare_model_dir(out) == out
 
 
+def test_dir_holding_one_gguf(smollm2_gguf, smollm2_dir, tmp_path):
+    assert prepare_model_dir(os.path.dirname(smollm2_gguf)) == smollm2_dir
+    (tmp_path / 'a.gguf').write_bytes(b'GGUF')
+    (tmp_path / 'b.gguf').write_bytes(b'GGUF')
+    with pytest.raises(ModelFormatError, match='a.gguf, b.gguf'):
+        prepare_model_dir(str(tmp_path))
+
+
 # --------------------------------------------------------------------------- convert
 
 def test_convert_refuses_foreign_non_empty_dir(tmp_path, tiny_gguf):
@@ -409,7 +417,8 @@ def test_non_gguf_file_renamed_gguf(tmp_path):
 
 @pytest.mark.parametrize('keep', [0.5, 0.02])
 def test_truncated_gguf(tmp_path, tiny_gguf, keep):
-    data = open(tiny_gguf, 'rb').read()
+    with open(tiny_gguf, 'rb') as f:
+        data = f.read()
     bad = tmp_path / 'truncated.gguf'
     bad.write_bytes(data[:int(len(data) * keep)])
     with pytest.raises(ModelFormatError, match='truncated') as e:

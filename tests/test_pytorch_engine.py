@@ -7,6 +7,7 @@ KV cache, decode steps.
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -232,8 +233,9 @@ def test_block_accounting_with_aborts_and_preemption(tiny_models):
         reasons = [col.final(i).finish_reason for i in range(12)]
         assert reasons.count('abort') >= 4 and reasons.count('length') >= 6
         assert all(len(col.tokens(i)) == 30 for i in range(12) if reasons[i] == 'length')
+        assert engine.stats().num_preemptions > 0
         assert_no_leak(engine)
-        assert engine.stats().num_used_blocks if hasattr(engine.stats(), 'num_used_blocks') else True
+        assert engine.stats().num_cached_blocks > 0  # the shared prefix stays reusable
 
 
 def test_interactive_session_reuses_kept_cache(tiny_models):
@@ -318,6 +320,14 @@ def test_stop_tokens_abort_and_zero_new_tokens(tiny_models):
         toks, finals = generate(engine, [prompt], SamplingParams(max_new_tokens=0), 2)
         assert toks[0] == [] and finals[0].finish_reason == 'length'
         col = Collector()
+        engine.add_request(EngineRequest(4, tuple(prompt), SamplingParams(max_new_tokens=5, logprobs=2)),
+                           col.callback)
+        col.wait([4])
+        assert col.tokens(4) == full[:5]
+        for out in col.outputs[4]:
+            for tok, lp in zip(out.token_ids, out.logprobs):
+                assert tok in lp and lp[tok] <= 0.0 and len(lp) >= 2
+        col = Collector()
         col.on_output = lambda out: engine.abort(3) if out.finish_reason is None else None
         engine.add_request(EngineRequest(3, tuple(prompt), SamplingParams(max_new_tokens=500)), col.callback)
         col.wait([3])
@@ -349,9 +359,35 @@ def test_close_aborts_pending_requests(tiny_models):
         engine.add_request(EngineRequest(i, (1, 2, 3), SamplingParams(max_new_tokens=100000)), col.callback)
     engine.close()
     col.wait(range(3), timeout=10)
-    assert all(col.final(i).finish_reason in ('abort', 'length') for i in range(3))
+    assert all(col.final(i).finish_reason == 'abort' for i in range(3))
     with pytest.raises(RuntimeError, match='closed'):
         engine.add_request(EngineRequest(9, (1,), SamplingParams()), col.callback)
+
+
+def test_cache_sizing_and_dtype(tiny_models, tmp_path):
+    model, _ = tiny_models('llama')
+    # sized from memory: a 64 KiB cap holds fewer blocks than one session needs, so it gets that many
+    engine = PytorchEngine(tiny_models('llama')[1], PytorchEngineConfig(
+        cache_block_seq_len=16, session_len=256, max_cache_memory_gib=64 / 2**20))
+    try:
+        assert engine.stats().num_total_blocks == 256 // 16 and engine.model_info.session_len == 256
+        assert engine.dtype == torch.float32 and engine.model_info.vocab_size == 512
+    finally:
+        engine.close()
+    # an explicit cache smaller than session_len cuts session_len to what fits
+    with tiny_engine(tiny_models, num_cache_blocks=4, session_len=1000) as engine:
+        assert engine.model_info.session_len == 32
+    # 'auto' keeps the checkpoint's dtype; an explicit one wins
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path), safe_serialization=True)
+    with PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=8, cache_block_seq_len=8)) as engine:
+        assert engine.dtype == torch.bfloat16
+        toks, finals = generate(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=3))
+        assert finals[0].finish_reason == 'length' and len(toks[0]) == 3
+    with PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=8, cache_block_seq_len=8,
+                                                          dtype='float32')) as engine:
+        assert engine.dtype == torch.float32
+    with pytest.raises(ValueError, match='quant_policy'):
+        PytorchEngine(str(tmp_path), PytorchEngineConfig(quant_policy=8))
 
 
 # ---- the real SmolLM2-135M ------------------------------------------------------------------------------

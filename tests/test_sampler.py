@@ -145,7 +145,7 @@ def run_steps(states: list[SamplingState], num_steps: int, vocab: int, row_logit
     return seqs
 
 
-def step_logits(tag: int, vocab: int = 2000):
+def step_logits(tag: int, vocab: int = 1000):
     def fn(state, step):
         g = torch.Generator().manual_seed(1000 * tag + step)
         return torch.randn(vocab, generator=g) * 3
@@ -161,14 +161,14 @@ def test_same_seed_same_tokens_whatever_the_batch(kw):
     def row_logits(state, step):
         return step_logits(0 if state.params is target else state.params.top_k + 7)(state, step)
 
-    alone = run_steps([SamplingState(target, [3, 4])], 12, 2000, row_logits)[0]
+    alone = run_steps([SamplingState(target, [3, 4])], 8, 1000, row_logits)[0]
     others = [sampled(top_k=10), SamplingParams(), sampled(top_p=0.5, random_seed=9), sampled(min_p=0.1),
               sampled(logprobs=3, top_k=30), SamplingParams(repetition_penalty=1.2)]
     for order in range(3):
         batch = [SamplingState(p, [1]) for p in others]
         pos = (2 * order + 1) % (len(batch) + 1)
         batch.insert(pos, SamplingState(target, [3, 4]))
-        seqs = run_steps(batch, 12, 2000, row_logits)
+        seqs = run_steps(batch, 8, 1000, row_logits)
         assert seqs[pos] == alone, (order, kw)
 
 
@@ -187,6 +187,28 @@ def test_different_seeds_differ_and_seeded_state_only_advances_when_it_samples()
         s.append(t)
         got.append(t)
     assert got == a
+
+
+def test_nucleus_prefixes_give_the_same_tokens_as_a_full_sort():
+    torch.manual_seed(9)
+    vocab = 6000
+    # peaked rows end inside the 256 prefix, middling ones inside 4096, flat ones need the sort
+    scales = torch.tensor([8.0, 3.0, 1.0, 0.3, 0.02]).repeat(3)
+    logits = torch.randn(scales.numel(), vocab) * scales[:, None]
+    cuts = [dict(top_p=0.9), dict(min_p=0.05), dict(top_p=0.5, min_p=0.01)]
+    params = [sampled(random_seed=i, temperature=0.9, **cuts[i % 3]) for i in range(scales.numel())]
+    prefixed = Sampler()
+    sorting = Sampler()
+    sorting.NUCLEUS_PREFIXES = ()
+    for _ in range(3):
+        a = prefixed.sample(logits, [SamplingState(p, []) for p in params]).token_ids
+        b = sorting.sample(logits, [SamplingState(p, []) for p in params]).token_ids
+        assert a == b
+        logits = logits.roll(1, dims=0)
+    # and each token is inside the row's HF support
+    want = Sampler().warp(logits, [SamplingState(p, []) for p in params])
+    got = prefixed.sample(logits, [SamplingState(p, []) for p in params]).token_ids
+    assert all(torch.isfinite(want[i, t]) for i, t in enumerate(got))
 
 
 # --- parity with transformers ----------------------------------------------------------------
@@ -211,6 +233,16 @@ def test_repetition_penalty_matches_hf():
         ids = torch.tensor([prompts[i] + generated[i]])
         want = RepetitionPenaltyLogitsProcessor(penalties[i])(ids, logits[i:i + 1].clone())
         torch.testing.assert_close(got[i:i + 1], want)
+
+
+def test_ids_outside_the_vocab_never_touch_another_row():
+    logits = torch.zeros(2, 10)
+    states = [SamplingState(SamplingParams(repetition_penalty=2.0, bad_token_ids=(12,)), [3, 13, -1]),
+              SamplingState(SamplingParams(), [])]
+    logits[0, 3] = 4.0
+    got = Sampler().process_logits(logits, states)
+    assert got[0, 3] == 2.0
+    assert torch.equal(got[1], logits[1])
 
 
 def test_presence_and_frequency_penalties_follow_openai():

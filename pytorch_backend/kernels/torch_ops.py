@@ -27,18 +27,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q[T, Hq, D] and k[T, Hk, D] by their positions; returns new tensors."""
+    """Rotate q[T, Hq, D] and k[T, Hk, D] by their positions; returns new tensors.
+
+    x * cos + rotate_half(x) * sin, with rotate_half(x) * sin written as
+    roll(x, D/2) * cat(-sin, sin): three ops per tensor, same rounding as HF.
+    """
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    rot = 2 * cos.shape[-1]
+    if rot < q.shape[-1]:  # partial rotary: the tail passes through
+        return _rotate_partial(q, cos, sin), _rotate_partial(k, cos, sin)
+    cos = torch.cat((cos, cos), dim=-1)
+    sin = torch.cat((-sin, sin), dim=-1)
+    return (torch.addcmul(q * cos, q.roll(rot // 2, -1), sin),
+            torch.addcmul(k * cos, k.roll(rot // 2, -1), sin))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1] * 2
-    x1, x2 = x[..., :rot // 2], x[..., rot // 2:rot]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if rot < x.shape[-1]:  # partial rotary: the tail passes through
-        out = torch.cat((out, x[..., rot:]), dim=-1)
-    return out
+def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +128,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         probs = _softmax(scores, scale, q.dtype)
         return torch.matmul(probs, v).view(1, num_heads, head_dim)
     # k: [B, Hk, L, D]
-    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    flat = table.flatten()
+    gathered = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, flat).view(gathered)[:, :max_len].transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(gathered)[:, :max_len].transpose(1, 2)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(2, 3))                 # [B, Hk, G, L]
     if min(ctx.context_lens_list) < max_len:

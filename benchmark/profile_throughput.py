@@ -1,0 +1,227 @@
+"""Offline throughput: N requests of varied lengths submitted at once to one engine.
+
+    python benchmark/profile_throughput.py --backend pytorch --num-prompts 64 --max-batch-size 16 --compare-hf
+
+lmd gets every request at t0 through ``AsyncEngine.generate`` (or at most
+``--concurrency`` in flight) and batches them continuously with
+``PytorchEngineConfig(max_batch_size=...)``. With ``--compare-hf``
+transformers ``generate()`` serves the same prompt ids in static batches of
+``--hf-batch-size``, one after another, each left-padded to its longest prompt
+and run to its longest output (the usual way to batch with HF); every request
+is also taken as submitted at t0, so its TTFT includes waiting for earlier
+batches. Prompts: prose from ``pydoc_data.topics``, input and output lengths
+drawn uniformly from the given ranges with a fixed seed; greedy, EOS ignored,
+so each request produces exactly its output length. Each engine runs in its own
+subprocess, so peak RSS (ru_maxrss) is that engine's alone.
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_generation import (build_lmd, cpu_seconds, guarded_worker, hf_static_batch, lmd_request, load_hf,
+                                load_prompt_sets, log, pad_token_id, peak_rss_mib, ratio, rss_mib, run_worker,
+                                save_prompt_sets, set_threads, summarize)
+from prompts import Prompt, describe, make_prompts, parse_range, resolve_model_dir
+
+WARMUP = [(32, 8), (48, 8)]  # (input, output) of the untimed requests that run first on each engine
+
+
+def throughput(timings, prompts: list[Prompt], wall: float) -> dict:
+    ins = sum(p.input_len for p in prompts)
+    outs = sum(t.num_tokens for t in timings)
+    return {
+        'wall_s': round(wall, 2),
+        'requests_per_s': round(len(prompts) / wall, 4),
+        'output_tokens_per_s': round(outs / wall, 2),
+        'total_tokens_per_s': round((ins + outs) / wall, 2),
+        'exact_token_counts': all(t.num_tokens == p.output_len for t, p in zip(timings, prompts)),
+        **summarize(timings),
+    }
+
+
+def lmd_worker(args) -> dict:
+    set_threads(args.num_threads)
+    warmup, prompts = load_prompt_sets(args.prompt_file)
+    t = time.perf_counter()
+    engine = build_lmd(args.model_dir, args.backend, args.max_batch_size, args.num_threads)
+    result = {'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
+              'max_batch_size': args.max_batch_size}
+    concurrency = len(prompts) if args.concurrency == 'all' else int(args.concurrency)
+    result['concurrency'] = concurrency
+
+    async def run_all(ps):
+        gate = asyncio.Semaphore(concurrency)
+        t0 = time.perf_counter()
+
+        async def one(p):
+            async with gate:
+                # every request is submitted at t0 when all are in flight; else when it gets a slot
+                return await lmd_request(engine, p, t0 if concurrency >= len(ps) else None)
+        return list(await asyncio.gather(*(one(p) for p in ps))), time.perf_counter() - t0
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(run_all(warmup))
+    log(f'lmd: {len(prompts)} requests, max_batch_size {args.max_batch_size}, concurrency {concurrency}')
+    cpu0 = cpu_seconds()
+    timings, wall = loop.run_until_complete(run_all(prompts))
+    result.update(throughput(timings, prompts, wall))
+    result['cpu_utilization'] = round((cpu_seconds() - cpu0) / wall, 2)
+    stats = engine.engine.stats()
+    result['engine_stats'] = {'num_preemptions': stats.num_preemptions, 'num_total_blocks': stats.num_total_blocks}
+    engine.close()
+    result['peak_rss_mib'] = round(peak_rss_mib(), 1)
+    log(f"lmd: {result['wall_s']}s, {result['output_tokens_per_s']} output tok/s")
+    return result
+
+
+def hf_worker(args) -> dict:
+    set_threads(args.num_threads)
+    warmup, prompts = load_prompt_sets(args.prompt_file)
+    t = time.perf_counter()
+    model = load_hf(args.model_dir)
+    import transformers
+    result = {'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
+              'transformers': transformers.__version__,
+              'attn_implementation': model.config._attn_implementation,
+              'batch_size': args.hf_batch_size, 'order': args.hf_order}
+    hf_static_batch(model, warmup, args.pad_id)
+    order = list(range(len(prompts)))
+    if args.hf_order == 'sorted':  # similar lengths together: less padding, fewer wasted steps
+        order.sort(key=lambda i: (prompts[i].input_len, prompts[i].output_len))
+    timings = [None] * len(prompts)
+    cpu0 = cpu_seconds()
+    t0 = time.perf_counter()
+    steps = padded = 0
+    for k in range(0, len(order), args.hf_batch_size):
+        idx = order[k:k + args.hf_batch_size]
+        batch = [prompts[i] for i in idx]
+        for i, timing in zip(idx, hf_static_batch(model, batch, args.pad_id, t0)):
+            timings[i] = timing
+        steps += max(p.output_len for p in batch) * len(batch)
+        padded += max(p.input_len for p in batch) * len(batch)
+        log(f'hf: batch {k // args.hf_batch_size} done at {time.perf_counter() - t0:.1f}s')
+    wall = time.perf_counter() - t0
+    result.update(throughput(timings, prompts, wall))
+    result['cpu_utilization'] = round((cpu_seconds() - cpu0) / wall, 2)
+    # what static batching computes beyond the requests' own tokens
+    result['computed_output_tokens'] = steps
+    result['computed_prompt_tokens_with_padding'] = padded
+    result['peak_rss_mib'] = round(peak_rss_mib(), 1)
+    log(f"hf: {result['wall_s']}s, {result['output_tokens_per_s']} output tok/s")
+    return result
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--backend', choices=('pytorch', 'turbomind'), default='pytorch')
+    p.add_argument('--model', default='smollm2', help="model path or 'smollm2' (the embedded default)")
+    p.add_argument('--num-prompts', type=int, default=64)
+    p.add_argument('--input-tokens', default='32,512', help='prompt length range LO,HI (inclusive) or N')
+    p.add_argument('--output-tokens', default='16,256', help='output length range LO,HI (inclusive) or N')
+    p.add_argument('--max-batch-size', type=int, default=16, help="lmd engine's max_batch_size")
+    p.add_argument('--concurrency', default='all', help="requests in flight at once: 'all' or a number")
+    p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument('--compare-hf', action='store_true', help='also run transformers static batches')
+    p.add_argument('--hf-batch-size', type=int, default=16)
+    p.add_argument('--hf-order', choices=('submission', 'sorted'), default='submission',
+                   help='how requests are grouped into HF batches: as submitted, or sorted by length')
+    p.add_argument('--skip-lmd', action='store_true', help='run only the transformers side (needs --compare-hf)')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--quick', action='store_true',
+                   help='smoke run: 16 prompts of 32-128 tokens, 16-64 out, max batch 8, HF batch 8')
+    p.add_argument('--timeout', type=float, default=3600, help='seconds each engine worker may run')
+    p.add_argument('--worker', choices=('lmd', 'hf'), help=argparse.SUPPRESS)
+    p.add_argument('--result-file', help=argparse.SUPPRESS)
+    p.add_argument('--model-dir', help=argparse.SUPPRESS)
+    p.add_argument('--prompt-file', help=argparse.SUPPRESS)
+    p.add_argument('--pad-id', type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.input_tokens, args.output_tokens = 16, '32,128', '16,64'
+        args.max_batch_size = args.hf_batch_size = 8
+    try:
+        args.input_range, args.output_range = parse_range(args.input_tokens), parse_range(args.output_tokens)
+    except ValueError as e:
+        p.error(str(e))
+    if args.concurrency != 'all' and not (args.concurrency.isdigit() and int(args.concurrency) >= 1):
+        p.error(f"--concurrency takes 'all' or a positive integer, got {args.concurrency!r}")
+    if min(args.num_prompts, args.max_batch_size, args.hf_batch_size) < 1:
+        p.error('--num-prompts, --max-batch-size and --hf-batch-size must be >= 1')
+    if args.skip_lmd and not args.compare_hf:
+        p.error('--skip-lmd leaves nothing to run without --compare-hf')
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        guarded_worker(lmd_worker if args.worker == 'lmd' else hf_worker, args)
+        return 0
+    load0 = os.getloadavg()
+    try:
+        model_dir = resolve_model_dir(args.model)
+    except Exception as e:
+        print(json.dumps({'benchmark': 'profile_throughput', 'error': f'{type(e).__name__}: {e}'}))
+        return 2
+    prompts = make_prompts(model_dir, args.num_prompts, args.input_range, args.output_range, seed=args.seed)
+    warmup = [Prompt(make_prompts(model_dir, 1, (n_in, n_in), (n_out, n_out), seed=1000 + i)[0].token_ids, n_out)
+              for i, (n_in, n_out) in enumerate(WARMUP)]
+    report = {
+        'benchmark': 'profile_throughput', 'backend': args.backend, 'model': args.model, 'model_dir': model_dir,
+        'num_threads': args.num_threads, 'cpu_count': os.cpu_count(), 'seed': args.seed,
+        'workload': describe(prompts),
+        'method': 'all requests submitted at t0 (lmd: AsyncEngine.generate streaming, continuous batching; '
+                  f'transformers: generate() static batches of {args.hf_batch_size} in {args.hf_order} order, '
+                  'left padding, each run to its longest output); TTFT and e2e are measured from t0; '
+                  'TPOT = (last - first token) / (tokens - 1); output_tokens counts each request\'s own tokens; '
+                  'greedy, EOS ignored, float32; each engine in its own subprocess after 2 untimed requests',
+    }
+    with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
+        prompt_file = f.name
+    save_prompt_sets(prompt_file, [warmup, prompts])
+    wargv = ['--backend', args.backend, '--num-threads', str(args.num_threads), '--model-dir', model_dir,
+             '--prompt-file', prompt_file, '--pad-id', str(pad_token_id(model_dir)),
+             '--max-batch-size', str(args.max_batch_size), '--concurrency', args.concurrency,
+             '--hf-batch-size', str(args.hf_batch_size), '--hf-order', args.hf_order]
+    script = os.path.abspath(__file__)
+    try:
+        if not args.skip_lmd:
+            log(f'lmd ({args.backend}) worker starting')
+            report['lmd'] = run_worker(script, 'lmd', wargv, args.timeout)
+        if args.compare_hf and 'error' in report.get('lmd', {}):
+            report['hf'] = {'skipped': 'lmd failed, so there is nothing to compare with'}
+        elif args.compare_hf:
+            log('transformers worker starting')
+            report['hf'] = run_worker(script, 'hf', wargv, args.timeout)
+    finally:
+        os.unlink(prompt_file)
+    lmd, hf = report.get('lmd', {}), report.get('hf', {})
+    if args.compare_hf and lmd and 'error' not in lmd and 'error' not in hf:
+        report['ratios_lmd_over_hf'] = {
+            'output_tokens_per_s': ratio(lmd['output_tokens_per_s'], hf['output_tokens_per_s']),
+            'requests_per_s': ratio(lmd['requests_per_s'], hf['requests_per_s']),
+            'ttft_speedup_p50': ratio(hf['ttft_s']['p50'], lmd['ttft_s']['p50']),
+            'tpot_speedup_p50': ratio(hf['tpot_s']['p50'], lmd['tpot_s']['p50']),
+            'peak_rss': ratio(lmd['peak_rss_mib'], hf['peak_rss_mib']),
+        }
+        measured = report['ratios_lmd_over_hf']['output_tokens_per_s']
+        report['targets'] = {'throughput_vs_hf_static_batches': {'target': 3.0, 'measured': measured,
+                                                                  'met': bool(measured and measured >= 3.0)}}
+    # other work on the same cores skews every figure: the 1/5/15-minute load before and after
+    report['load_average'] = {'start': [round(x, 2) for x in load0], 'end': [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps(report, indent=2))
+    return 2 if 'error' in lmd or 'error' in hf else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
