@@ -1,4 +1,11 @@
 """lmd: LLM inference and serving, one pipeline() in front of two engines."""
+import pkgutil
+
+# The wheel maps the repository's top-level folders (pytorch_backend/, turbomind/, ...) into
+# this package. Run from a checkout after a plain `pip install .`, Python finds ./lmd first,
+# which lacks them: let the installed copy supply the subpackages it has and this one lacks.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
 from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
 
