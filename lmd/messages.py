@@ -157,7 +157,7 @@ class PytorchEngineConfig:
     device: str = 'cpu'
     max_prefill_token_num: int | None = 4096
     num_threads: int | None = None
-    kernel_backend: str | None = None  # None: by device ('torch' on CPU, 'triton' on CUDA)
+    kernel_backend: str | None = None  # None: by device ('native' on CPU, 'triton' on CUDA)
     max_cache_memory_gib: float | None = 4.0  # caps cache_max_entry_count on CPU, where "free" is the host's RAM
 
     def __post_init__(self):
@@ -165,7 +165,7 @@ class PytorchEngineConfig:
         _check_engine_common(c, self)
         if not isinstance(self.device, str) or self.device.split(':')[0] not in ('cpu', 'cuda'):
             _fail(c, 'device', self.device, "allowed values are 'cpu', 'cuda', 'cuda:N'")
-        _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'triton'))
+        _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'native', 'triton'))
         if self.max_cache_memory_gib is not None:
             _check_range(c, 'max_cache_memory_gib', self.max_cache_memory_gib, lo=0.0, lo_open=True)
 

@@ -84,6 +84,7 @@ class PytorchEngine(Engine):
 
         weights = load_weights(model_dir, self.dtype)
         model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend)
+        model.kernels.set_num_threads(torch.get_num_threads())
         del weights
 
         block_size = cfg.cache_block_seq_len

@@ -123,10 +123,15 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, TINY['vocab_size'], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# 'torch' is the reference backend, 'native' the CPU default (TurboMind's C++ kernels)
+CPU_BACKENDS = ['torch', 'native']
+
+
+@pytest.mark.parametrize('backend', CPU_BACKENDS)
 @pytest.mark.parametrize('arch', list(ARCHS))
-def test_chunked_prefill_and_decode_match_hf(arch):
+def test_chunked_prefill_and_decode_match_hf(arch, backend):
     hf_model, config, weights = make_hf_model(arch)
-    model = build_model(config, weights, torch.float32)
+    model = build_model(config, weights, torch.float32, kernel_backend=backend)
     tokens = random_tokens(11 + 16, seed=3)
     ours = run_chunked(model, tokens, prefill_chunks=[7, 4])
     ref = hf_logits(hf_model, tokens)
@@ -135,10 +140,11 @@ def test_chunked_prefill_and_decode_match_hf(arch):
     assert diff < 1e-3, f'{arch}: max |logit diff| vs HF = {diff}'
 
 
+@pytest.mark.parametrize('backend', CPU_BACKENDS)
 @pytest.mark.parametrize('arch', ['llama', 'qwen3'])
-def test_batch_matches_each_sequence_alone(arch):
+def test_batch_matches_each_sequence_alone(arch, backend):
     hf_model, config, weights = make_hf_model(arch)
-    model = build_model(config, weights, torch.float32)
+    model = build_model(config, weights, torch.float32, kernel_backend=backend)
     seqs = [random_tokens(n, seed=10 + n) for n in (5, 9, 14)]
     decode = [random_tokens(4, seed=20 + i) for i in range(3)]
     runner = PagedRunner(model, seed=7)
@@ -164,11 +170,12 @@ def test_batch_matches_each_sequence_alone(arch):
         assert diff < 1e-3, f'seq {i}: max |logit diff| vs HF = {diff}'
 
 
+@pytest.mark.parametrize('backend', CPU_BACKENDS)
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('arch', ['llama', 'qwen2', 'qwen3'])
-def test_half_precision_close_to_float32(arch, dtype):
+def test_half_precision_close_to_float32(arch, dtype, backend):
     hf_model, config, weights = make_hf_model(arch)
-    model = build_model(config, weights, dtype)
+    model = build_model(config, weights, dtype, kernel_backend=backend)
     assert model.dtype == dtype and model.kv_cache_bytes_per_block(4) == 2 * 2 * 4 * 2 * config.head_dim * 2
     tokens = random_tokens(9 + 6, seed=5)
     ours = run_chunked(model, tokens, prefill_chunks=[5, 4])

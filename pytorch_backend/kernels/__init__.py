@@ -1,21 +1,27 @@
 """The one dispatch table of the PyTorch backend's kernels.
 
 ``get_kernels(device, backend)`` returns a ``Kernels`` namespace; models call
-only through it. ``torch`` (the reference, and the CPU path) runs anywhere;
-``triton`` runs the Triton kernels of ``kernels/triton`` on CUDA tensors (or on
-CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests check them),
-and borrows the torch version wherever it has none of its own.
+only through it. ``torch`` (the reference) runs anywhere; ``native`` (the CPU
+default) runs TurboMind's C++ kernels for decode matmuls and attention and
+borrows torch's for the rest; ``triton`` runs the Triton kernels of
+``kernels/triton`` on CUDA tensors (or on CPU tensors under
+``TRITON_INTERPRET=1``, which is how the tests check them), and borrows the
+torch version wherever it has none of its own.
+
+A linear layer's parameters go through ``prepare_linear(weight, bias)`` once at
+load; ``linear(x, prepared)`` takes what it returned.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from . import torch_ops
 
-BACKENDS = ('torch', 'triton')
+BACKENDS = ('torch', 'native', 'triton')
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,13 @@ class Kernels:
     silu_and_mul: Callable      # (x[T, 2I]) -> [T, I]
     fill_kv_cache: Callable     # (k, v[T, Hk, D], k_cache, v_cache, slot_mapping[T]) -> None
     paged_attention: Callable   # (q[T, Hq, D], k_cache, v_cache, ctx, scale) -> [T, Hq, D]
+    # (x[T, H], residual[T, H], weight[H], eps) -> rms_norm(residual += x)
+    add_rms_norm: Callable = torch_ops.add_rms_norm
+    # (qkv[T, (Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping, Hq, Hk) -> rotated q[T, Hq, D]
+    rope_fill_kv: Callable = torch_ops.rope_fill_kv
+    prepare_linear: Callable = torch_ops.prepare_linear  # (weight[N, K], bias[N] | None) -> params
+    linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
+    set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels
 
 
 TORCH_KERNELS = Kernels(
@@ -36,6 +49,34 @@ TORCH_KERNELS = Kernels(
     fill_kv_cache=torch_ops.fill_kv_cache,
     paged_attention=torch_ops.paged_attention,
 )
+
+
+def _native_kernels() -> Kernels:
+    try:
+        from . import native
+    except ImportError as e:
+        raise RuntimeError(f"kernel backend 'native' needs lmd's compiled extension: {e}") from None
+    return Kernels(
+        name='native',
+        rms_norm=native.rms_norm,
+        apply_rotary=torch_ops.apply_rotary,
+        silu_and_mul=native.silu_and_mul,
+        fill_kv_cache=torch_ops.fill_kv_cache,
+        paged_attention=native.paged_attention,
+        add_rms_norm=native.add_rms_norm,
+        rope_fill_kv=native.rope_fill_kv,
+        prepare_linear=native.prepare_linear,
+        linear=native.linear,
+        set_num_threads=native.set_num_threads,
+    )
+
+
+def _native_available() -> bool:
+    try:
+        from lmd.turbomind import _turbomind
+    except ImportError:
+        return False
+    return hasattr(_turbomind, 'ops')
 
 
 def _triton_kernels() -> Kernels:
@@ -50,16 +91,27 @@ def _triton_kernels() -> Kernels:
         silu_and_mul=triton_ops.silu_and_mul,
         fill_kv_cache=triton_ops.fill_kv_cache,
         paged_attention=triton_ops.paged_attention,
+        add_rms_norm=lambda x, residual, weight, eps: triton_ops.rms_norm(residual.add_(x), weight, eps),
+        rope_fill_kv=partial(torch_ops.rope_fill_kv, apply_rotary=triton_ops.apply_rotary,
+                             fill_kv_cache=triton_ops.fill_kv_cache),
     )
 
 
 def get_kernels(device: torch.device | str = 'cpu', backend: str | None = None) -> Kernels:
-    """Kernels for ``device``; backend None picks 'torch' on CPU and 'triton' on CUDA."""
+    """Kernels for ``device``; backend None picks 'native' on CPU (or 'torch' where the
+    extension is missing) and 'triton' on CUDA."""
     device = torch.device(device)
     if backend is None:
-        backend = 'triton' if device.type == 'cuda' else 'torch'
+        if device.type == 'cuda':
+            backend = 'triton'
+        else:
+            backend = 'native' if _native_available() else 'torch'
     if backend == 'torch':
         return TORCH_KERNELS
+    if backend == 'native':
+        if device.type != 'cpu':
+            raise ValueError(f"kernel backend 'native' runs on the CPU, not on {device}")
+        return _native_kernels()
     if backend == 'triton':
         return _triton_kernels()
     raise ValueError(f'unknown kernel backend {backend!r}; choose one of {", ".join(BACKENDS)}')

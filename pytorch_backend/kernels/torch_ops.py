@@ -25,6 +25,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The pre-norm residual stream: residual += x (in place), then rms_norm(residual)."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q[T, Hq, D] and k[T, Hk, D] by their positions; returns new tensors.
@@ -48,6 +54,15 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), dim=-1)
 
 
+def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    return weight, bias
+
+
+def linear(x: torch.Tensor, params: tuple) -> torch.Tensor:
+    """x[T, K] @ weight[N, K].T (+ bias)."""
+    return F.linear(x, params[0], params[1])
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
@@ -60,6 +75,21 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 apply_rotary=apply_rotary, fill_kv_cache=fill_kv_cache) -> torch.Tensor:
+    """Split a fused qkv[T, (Hq + 2 Hk) * D], rotate q and k, write k and v into the caches;
+    returns the rotated q [T, Hq, D]."""
+    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -45,6 +45,17 @@ class DecoderLayer:
     gate_up_bias: torch.Tensor | None  # [2 I]
     down_weight: torch.Tensor         # [H, I]
     down_bias: torch.Tensor | None    # [H]
+    # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
+    qkv: object = None
+    o: object = None
+    gate_up: object = None
+    down: object = None
+
+    def prepare(self, kern: Kernels) -> None:
+        self.qkv = kern.prepare_linear(self.qkv_weight, self.qkv_bias)
+        self.o = kern.prepare_linear(self.o_weight, self.o_bias)
+        self.gate_up = kern.prepare_linear(self.gate_up_weight, self.gate_up_bias)
+        self.down = kern.prepare_linear(self.down_weight, self.down_bias)
 
 
 def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -162,6 +173,8 @@ class CausalLM:
                 down_weight=get(mlp + 'down_proj.weight'),
                 down_bias=maybe(mlp + 'down_proj.bias'),
             ))
+            self.layers[-1].prepare(self.kernels)
+        self.lm_head_params = self.kernels.prepare_linear(self.lm_head, None)
         self.cos_sin_cache = build_cos_sin_cache(config, dtype, self.device)
 
     # -- KV cache -------------------------------------------------------------------------------
@@ -185,40 +198,51 @@ class CausalLM:
         """input_ids, positions [T] -> hidden [T, H] after the final norm; writes the new
         tokens' K/V into ctx.kv_caches at ctx.slot_mapping."""
         kern = self.kernels
-        rms_norm, apply_rotary, silu_and_mul = kern.rms_norm, kern.apply_rotary, kern.silu_and_mul
-        fill_kv_cache, paged_attention = kern.fill_kv_cache, kern.paged_attention
-        linear = F.linear
+        rms_norm, add_rms_norm, linear = kern.rms_norm, kern.add_rms_norm, kern.linear
+        paged_attention, silu_and_mul = kern.paged_attention, kern.silu_and_mul
         eps, scale, cos_sin = self.eps, self.scale, self.cos_sin_cache
         num_tokens = input_ids.shape[0]
-        q_size, kv_size = self.q_size, self.kv_size
-        q_shape = (num_tokens, self.num_heads, self.head_dim)
-        kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        num_heads, num_kv_heads, q_size = self.num_heads, self.num_kv_heads, self.q_size
         slot_mapping = ctx.slot_mapping
 
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        # the residual stream is updated in place: add_rms_norm(delta, residual) adds, then normalises
+        residual = F.embedding(input_ids, self.embed_tokens)
+        delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, ctx.kv_caches):
             # attention block
-            x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, :q_size].view(q_shape)
-            k = qkv[:, q_size:q_size + kv_size].view(kv_shape)
-            v = qkv[:, q_size + kv_size:].view(kv_shape)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q, k = apply_rotary(q, k, positions, cos_sin)
-            fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+            if delta is None:
+                x = rms_norm(residual, layer.input_norm, eps)
+            else:
+                x = add_rms_norm(delta, residual, layer.input_norm, eps)
+            qkv = linear(x, layer.qkv)
+            if layer.q_norm is None:
+                q = kern.rope_fill_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
+                                      num_kv_heads)
+            else:  # Qwen3 normalises q and k per head before RoPE
+                q = self._qk_norm_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping)
             o = paged_attention(q, k_cache, v_cache, ctx, scale)
-            hidden = hidden + linear(o.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            delta = linear(o.reshape(num_tokens, q_size), layer.o)
             # MLP block
-            x = rms_norm(hidden, layer.post_norm, eps)
-            x = silu_and_mul(linear(x, layer.gate_up_weight, layer.gate_up_bias))
-            hidden = hidden + linear(x, layer.down_weight, layer.down_bias)
-        return rms_norm(hidden, self.norm, eps)
+            x = add_rms_norm(delta, residual, layer.post_norm, eps)
+            delta = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+        return add_rms_norm(delta, residual, self.norm, eps)
+
+    def _qk_norm_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        kern = self.kernels
+        num_tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = kern.rms_norm(q, layer.q_norm, self.eps)
+        k = kern.rms_norm(k, layer.k_norm, self.eps)
+        q, k = kern.apply_rotary(q, k, positions, self.cos_sin_cache)
+        kern.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     __call__ = forward
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (already normed by forward) -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.kernels.linear(hidden, self.lm_head_params).float()

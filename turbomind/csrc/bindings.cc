@@ -5,6 +5,10 @@
 
 namespace py = pybind11;
 
+namespace turbomind {
+void bind_ops(py::module_ & m);
+}
+
 PYBIND11_MODULE(_turbomind, m) {
     m.doc() = "TurboMind: lmd's C++ inference engine";
     m.attr("__version__") = LMD_VERSION;
@@ -30,4 +34,5 @@ PYBIND11_MODULE(_turbomind, m) {
         return d;
     }, "The instruction sets the kernels may use on this CPU, and its processor count.");
     m.def("cpu_features_summary", &turbomind::cpu_features_summary);
+    turbomind::bind_ops(m);
 }

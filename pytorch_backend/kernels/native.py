@@ -1,0 +1,92 @@
+"""TurboMind's C++ CPU kernels (``lmd.turbomind._turbomind.ops``) behind the dispatch table.
+
+They take over where torch is slow on a CPU: the matmuls (a GEMV at batch 1 that reads
+the weights at close to memory bandwidth, a thin GEMM at batch 16 where MKL wastes time
+packing; as fast as MKL for prefill chunks, and a row's result never depends on the
+other rows), and decode attention straight from the paged cache (torch has to gather each context
+into a padded copy first), and the small ops of every layer, fused where torch would
+run several: RMSNorm with the residual add, RoPE with the KV-cache write, SiLU-and-mul.
+Prefill attention stays with torch. Tensors cross into C++ as DLPack views, never
+copied; weights are wrapped once at load.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
+
+from lmd.turbomind import _turbomind
+
+from ..context import StepContext
+from . import torch_ops
+
+ops = _turbomind.ops
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NativeLinear:
+    """A linear layer's weight [N, K] and bias [N], kept as torch tensors and as C++ views."""
+    __slots__ = ('weight', 'bias', 'w_handle', 'b_handle', 'out_features')
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.w_handle = ops.HostTensor(to_dlpack(self.weight))
+        self.b_handle = None if bias is None else ops.HostTensor(to_dlpack(self.bias))
+        self.out_features = weight.shape[0]
+
+
+def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeLinear:
+    return NativeLinear(weight, bias)
+
+
+def linear(x: torch.Tensor, p: NativeLinear) -> torch.Tensor:
+    # every row count: a row's result is then bitwise the same whatever else is in the batch
+    if x.stride(-1) != 1 or x.dtype not in _DTYPES:
+        return F.linear(x, p.weight, p.bias)
+    y = torch.empty((x.shape[0], p.out_features), dtype=x.dtype)
+    ops.linear(to_dlpack(x), p.w_handle, p.b_handle, to_dlpack(y))
+    return y
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    ctx: StepContext, scale: float) -> torch.Tensor:
+    if not ctx.is_decode or q.dtype not in _DTYPES:
+        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+    out = torch.empty_like(q)
+    ops.paged_decode_attention(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(ctx.block_tables),
+                               to_dlpack(ctx.context_lens), scale, to_dlpack(out))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in _DTYPES:  # e.g. Qwen3's per-head q/k norm
+        return torch_ops.rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    ops.rms_norm(to_dlpack(x), to_dlpack(weight), eps, to_dlpack(out))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ops.rms_norm(to_dlpack(x), to_dlpack(weight), eps, to_dlpack(out), to_dlpack(residual))
+    return out
+
+
+def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    q = torch.empty((qkv.shape[0], num_heads, k_cache.shape[-1]), dtype=qkv.dtype)
+    ops.rope_fill_kv(to_dlpack(qkv), to_dlpack(positions), to_dlpack(cos_sin_cache), to_dlpack(k_cache),
+                     to_dlpack(v_cache), to_dlpack(slot_mapping), to_dlpack(q), num_heads, num_kv_heads)
+    return q
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    ops.silu_and_mul(to_dlpack(x), to_dlpack(out))
+    return out
+
+
+def set_num_threads(n: int) -> None:
+    ops.set_num_threads(n)

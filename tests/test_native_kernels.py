@@ -1,0 +1,194 @@
+"""TurboMind's C++ CPU kernels (lmd.turbomind._turbomind.ops): each AVX2 kernel against its
+scalar C++ reference (``reference=True``) and against the torch kernels of the PyTorch
+backend, over a grid of shapes and dtypes; then the checks on bad arguments."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack as dl
+
+from lmd.pytorch_backend.context import StepContext
+from lmd.pytorch_backend.kernels import native, torch_ops
+from lmd.turbomind import _turbomind
+
+ops = _turbomind.ops
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+       torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def test_dispatch_uses_avx2_here():
+    # every machine this project runs on has AVX2/FMA/F16C; elsewhere 'ref' is the fallback
+    assert ops.isa() == ('avx2' if _turbomind.cpu_features()['avx2'] else 'ref')
+
+
+# -- linear --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 16, 33, 70])
+@pytest.mark.parametrize('N,K', [(1, 8), (7, 13), (96, 64), (250, 136), (1000, 576)])
+def test_linear(M, N, K, dtype):
+    x, w, b = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2), rand(N, dtype=dtype, seed=3)
+    want = F.linear(x.double(), w.double(), b.double())
+    for bias in (None, b):
+        got, ref = torch.empty(M, N, dtype=dtype), torch.empty(M, N, dtype=dtype)
+        ops.linear(dl(x), dl(w), None if bias is None else dl(bias), dl(got))
+        ops.linear(dl(x), dl(w), None if bias is None else dl(bias), dl(ref), reference=True)
+        expect = want if bias is not None else F.linear(x.double(), w.double())
+        tol = dict(atol=TOL[dtype]['atol'] * K ** 0.5, rtol=TOL[dtype]['rtol'])
+        torch.testing.assert_close(got.double(), expect, **tol)
+        torch.testing.assert_close(got.double(), ref.double(), **tol)
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    """Row m's result is bitwise the same alone, inside a batch, and on one or two threads."""
+    x, w = rand(16, 576, seed=4), rand(300, 576, seed=5)
+    alone = torch.empty(1, 300)
+    ops.linear(dl(x[5:6]), dl(w), None, dl(alone))
+    batched = torch.empty(16, 300)
+    ops.linear(dl(x), dl(w), None, dl(batched))
+    assert torch.equal(alone[0], batched[5])
+    threads = ops.num_threads()
+    try:
+        ops.set_num_threads(1)
+        single = torch.empty(16, 300)
+        ops.linear(dl(x), dl(w), None, dl(single))
+    finally:
+        ops.set_num_threads(threads)
+    assert torch.equal(single, batched)
+
+
+def test_linear_strided_rows_and_weight_handle():
+    x = rand(4, 100, seed=6)[:, 10:74]      # row stride 100, unit stride inside a row
+    w = rand(40, 64, seed=7)
+    handle = ops.HostTensor(dl(w))
+    assert handle.shape == (40, 64) and handle.dtype == 'float32'
+    out = torch.empty(4, 40)
+    ops.linear(dl(x), handle, None, dl(out))
+    torch.testing.assert_close(out, x @ w.T, **TOL[torch.float32])
+
+
+def test_native_linear_matches_torch_linear_for_any_rows():
+    w, b = rand(64, 48, seed=8), rand(64, seed=9)
+    params = native.prepare_linear(w, b)
+    for rows in (1, 7, 32, 33, 100):
+        x = rand(rows, 48, seed=rows)
+        torch.testing.assert_close(native.linear(x, params), F.linear(x, w, b), **TOL[torch.float32])
+
+
+# -- decode attention ----------------------------------------------------------------------------
+
+def make_decode_ctx(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
+    num_blocks = len(context_lens) * max_blocks + 3
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, unordered blocks
+    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    for i, n in enumerate(context_lens):
+        for j in range((n + block_size - 1) // block_size):
+            tables[i, j] = perm.pop()
+    k_cache = rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=seed + 1)
+    v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=seed + 2)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    ctx = StepContext(kv_caches=[], block_size=block_size, slot_mapping=torch.zeros(len(context_lens), dtype=torch.int64),
+                      query_lens=torch.ones(len(context_lens), dtype=torch.int32),
+                      cu_query_lens=torch.arange(len(context_lens) + 1, dtype=torch.int32), context_lens=lens,
+                      block_tables=tables, is_decode=True, query_lens_list=[1] * len(context_lens),
+                      context_lens_list=list(context_lens))
+    return ctx, k_cache, v_cache
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('context_lens,block_size', [([1], 4), ([37], 16), ([5, 64, 17], 16), ([300, 2, 129, 64, 9], 32)])
+@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(4, 4, 8), (6, 2, 64), (9, 3, 64), (4, 2, 12), (2, 1, 128)])
+def test_paged_decode_attention(context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    ctx, k_cache, v_cache = make_decode_ctx(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = rand(len(context_lens), num_heads, head_dim, dtype=dtype, seed=9, scale=2.0)
+    scale = head_dim ** -0.5
+    want = torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+    got = native.paged_attention(q, k_cache, v_cache, ctx, scale)
+    ref = torch.empty_like(q)
+    ops.paged_decode_attention(dl(q), dl(k_cache), dl(v_cache), dl(ctx.block_tables), dl(ctx.context_lens), scale,
+                               dl(ref), reference=True)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(ref, want, **TOL[dtype])
+
+
+# -- norm, rotary, activation --------------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('M,H', [(1, 8), (3, 576), (40, 64), (2, 20)])
+def test_rms_norm_and_residual_add(M, H, dtype):
+    x, w = rand(M, H, dtype=dtype, seed=10, scale=3.0), rand(H, dtype=dtype, seed=11)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6), **TOL[dtype])
+    ref = torch.empty_like(x)
+    ops.rms_norm(dl(x), dl(w), 1e-6, dl(ref), reference=True)
+    torch.testing.assert_close(ref, torch_ops.rms_norm(x, w, 1e-6), **TOL[dtype])
+    delta = rand(M, H, dtype=dtype, seed=12)
+    res_native, res_torch = x.clone(), x.clone()
+    got = native.add_rms_norm(delta, res_native, w, 1e-6)
+    want = torch_ops.add_rms_norm(delta, res_torch, w, 1e-6)
+    torch.testing.assert_close(res_native, res_torch, **TOL[dtype])   # the residual is updated in place
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim,rot', [(4, 2, 16, 16), (9, 3, 64, 64), (2, 2, 32, 16)])
+def test_rope_fill_kv(num_heads, num_kv_heads, head_dim, rot, dtype):
+    T, block_size, num_blocks = 7, 4, 6
+    qkv = rand(T, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=13)
+    positions = torch.tensor([0, 1, 2, 9, 30, 31, 5], dtype=torch.int64)
+    slots = torch.tensor([3, 0, 22, 9, 12, 13, 1], dtype=torch.int64)
+    freqs = torch.arange(64)[:, None] * (10000.0 ** (-torch.arange(rot // 2) / (rot // 2)))[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype)
+    caches = {}
+    for name, fn in (('native', native.rope_fill_kv), ('torch', torch_ops.rope_fill_kv)):
+        k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q = fn(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads)
+        caches[name] = (q, k_cache, v_cache)
+    for got, want in zip(caches['native'], caches['torch']):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    assert caches['native'][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('T,inter', [(1, 8), (5, 1536), (3, 13)])
+def test_silu_and_mul(T, inter, dtype):
+    x = rand(T, 2 * inter, dtype=dtype, seed=14, scale=6.0)
+    x[0, 0], x[0, 1] = -100.0, 100.0   # exp over- and underflow stay finite
+    torch.testing.assert_close(native.silu_and_mul(x), torch_ops.silu_and_mul(x), **TOL[dtype])
+
+
+# -- bad arguments: a clear error naming the argument, never a wild read -------------------------
+
+def test_bad_arguments_name_what_is_wrong():
+    x, w, y = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r'^w .*K must match'):
+        ops.linear(dl(x), dl(torch.zeros(4, 9)), None, dl(y))
+    with pytest.raises(ValueError, match=r'^y '):
+        ops.linear(dl(x), dl(w), None, dl(torch.zeros(2, 5)))
+    with pytest.raises(ValueError, match='DLPack capsule'):
+        ops.linear(x, dl(w), None, dl(y))
+    with pytest.raises(ValueError, match='unsupported dtype'):
+        ops.linear(dl(x), dl(torch.zeros(4, 8, dtype=torch.float64)), None, dl(y))
+    ctx, k_cache, v_cache = make_decode_ctx([5], 4, 1, 8, torch.float32)
+    q, out = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    bad_table = ctx.block_tables.clone()
+    bad_table[0, 1] = 10_000
+    with pytest.raises(ValueError, match=r'block_tables\[0, 1\] = 10000 is not a block'):
+        ops.paged_decode_attention(dl(q), dl(k_cache), dl(v_cache), dl(bad_table), dl(ctx.context_lens), 1.0, dl(out))
+    with pytest.raises(ValueError, match='context_lens'):
+        ops.paged_decode_attention(dl(q), dl(k_cache), dl(v_cache), dl(ctx.block_tables),
+                                   dl(torch.tensor([99], dtype=torch.int32)), 1.0, dl(out))
+    qkv = torch.zeros(1, 3 * 8)
+    k = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match=r'slots\[0\] = 8 is not a slot'):
+        ops.rope_fill_kv(dl(qkv), dl(torch.zeros(1, dtype=torch.int64)), dl(torch.zeros(16, 8)), dl(k), dl(k.clone()),
+                         dl(torch.tensor([8])), dl(torch.zeros(1, 1, 8)), 1, 1)
