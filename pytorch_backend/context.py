@@ -8,7 +8,7 @@ cache plus these new tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,8 @@ class StepContext:
     context_lens_list: list[int]
     # KV-cache quantization (0: none, 8: int8, 4: int4); the quantized cache layout lands with lite
     quant_policy: int = 0
+    # what a kernel derives from the above once per step and reuses in every layer
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

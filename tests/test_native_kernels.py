@@ -192,3 +192,30 @@ def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match=r'slots\[0\] = 8 is not a slot'):
         ops.rope_fill_kv(dl(qkv), dl(torch.zeros(1, dtype=torch.int64)), dl(torch.zeros(16, 8)), dl(k), dl(k.clone()),
                          dl(torch.tensor([8])), dl(torch.zeros(1, 1, 8)), 1, 1)
+
+
+def test_mixed_step_attention_matches_torch():
+    """Prefill chunks and decodes in one step: every row a query over its visible context."""
+    query_lens, context_lens, block_size = [1, 5, 1, 9, 3], [20, 5, 64, 30, 3], 8
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
+    num_blocks = len(context_lens) * max_blocks
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = torch.tensor([perm[i * max_blocks:(i + 1) * max_blocks] for i in range(len(context_lens))],
+                          dtype=torch.int32)
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    ctx = StepContext(kv_caches=[], block_size=block_size, slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
+                      query_lens=torch.tensor(query_lens, dtype=torch.int32),
+                      cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+                      context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=tables,
+                      is_decode=False, query_lens_list=query_lens, context_lens_list=context_lens)
+    k_cache = rand(num_blocks, block_size, num_kv_heads, head_dim, seed=4)
+    v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim, seed=5)
+    q = rand(cu[-1], num_heads, head_dim, seed=6)
+    want = torch_ops.paged_attention(q, k_cache, v_cache, ctx, 0.125)
+    torch.testing.assert_close(native.paged_attention(q, k_cache, v_cache, ctx, 0.125), want, **TOL[torch.float32])
+    # the per-step row data is derived once and reused by every layer
+    assert 'native_rows' in ctx.derived
+    torch.testing.assert_close(native.paged_attention(q, k_cache, v_cache, ctx, 0.125), want, **TOL[torch.float32])

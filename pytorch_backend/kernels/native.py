@@ -3,10 +3,9 @@
 They take over where torch is slow on a CPU: the matmuls (a GEMV at batch 1 that reads
 the weights at close to memory bandwidth, a thin GEMM at batch 16 where MKL wastes time
 packing; as fast as MKL for prefill chunks, and a row's result never depends on the
-other rows), and decode attention straight from the paged cache (torch has to gather each context
-into a padded copy first), and the small ops of every layer, fused where torch would
-run several: RMSNorm with the residual add, RoPE with the KV-cache write, SiLU-and-mul.
-Prefill attention stays with torch. Tensors cross into C++ as DLPack views, never
+other rows), and attention straight from the paged cache for decode and prefill rows alike (torch
+has to gather each context into a padded copy first), and the small ops of every layer, fused where torch would
+run several: RMSNorm with the residual add, RoPE with the KV-cache write, SiLU-and-mul. Tensors cross into C++ as DLPack views, never
 copied; weights are wrapped once at load.
 """
 from __future__ import annotations
@@ -52,11 +51,28 @@ def linear(x: torch.Tensor, p: NativeLinear) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float) -> torch.Tensor:
-    if not ctx.is_decode or q.dtype not in _DTYPES:
+    if q.dtype not in _DTYPES:
         return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+    if ctx.is_decode:
+        return _decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+    # Prefill chunks too: each new token is a query over its own visible context (the
+    # tokens up to its position), so one kernel serves every row of the step, and a
+    # token's attention is computed the same way in a prefill chunk as in a decode step.
+    rows = ctx.derived.get('native_rows')
+    if rows is None:
+        seq_of_row = torch.repeat_interleave(torch.arange(ctx.num_seqs), ctx.query_lens.long())
+        first_row = ctx.cu_query_lens[:-1].long().repeat_interleave(ctx.query_lens.long())
+        history = (ctx.context_lens - ctx.query_lens).long()[seq_of_row]
+        visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
+        rows = ctx.derived['native_rows'] = (ctx.block_tables.index_select(0, seq_of_row), visible)
+    return _decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
-    ops.paged_decode_attention(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(ctx.block_tables),
-                               to_dlpack(ctx.context_lens), scale, to_dlpack(out))
+    ops.paged_decode_attention(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(block_tables),
+                               to_dlpack(context_lens), scale, to_dlpack(out))
     return out
 
 

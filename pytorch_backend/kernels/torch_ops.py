@@ -114,12 +114,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
-        table = ctx.block_tables[i]
-        k = _gather_context(k_cache, table, ctx_len)
-        v = _gather_context(v_cache, table, ctx_len)
-        out[start:start + q_len] = _prefill_one(q[start:start + q_len], k, v, scale)
+        out[start:start + q_len] = attend_one(q[start:start + q_len], k_cache, v_cache, ctx.block_tables[i],
+                                              ctx_len, scale)
         start += q_len
     return out
+
+
+def attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+               context_len: int, scale: float) -> torch.Tensor:
+    """One sequence's new tokens q[Lq, Hq, D], the last Lq of its context_len cached tokens."""
+    k = _gather_context(k_cache, block_table, context_len)
+    v = _gather_context(v_cache, block_table, context_len)
+    return _prefill_one(q, k, v, scale)
 
 
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -180,11 +180,14 @@ class CausalLM:
     # -- KV cache -------------------------------------------------------------------------------
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hk, D], zero-filled so
-        masked padding never multiplies garbage (0 * NaN) into the output."""
+        """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hk, D]; zero-filled for
+        kernels that read padded contexts, so masked padding never multiplies garbage
+        (0 * NaN) into the output."""
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # The native kernels read only slots that were written, so on the CPU the cache
+        # can stay untouched (pages are committed as they fill, not all at start).
+        alloc = torch.empty if self.kernels.name == 'native' else torch.zeros
+        return [(alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
                 for _ in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

@@ -88,6 +88,13 @@ inline void linear_tile_m(int mr, const float * x, int64_t ldx, const WT * w, in
     }
 }
 
+// Ask for [p, p + bytes) in L1 ahead of use: the hardware prefetcher alone lets the
+// next weight rows arrive late when each row takes ~1 us of arithmetic.
+inline void prefetch_range(const void * p, int64_t bytes) {
+    const char * c = static_cast<const char *>(p);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 template <typename WT, typename YT>
 void linear_rows_t(const float * x, int64_t ldx, int64_t M, int64_t K, const WT * w, const WT * bias,
                    YT * y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -106,6 +113,7 @@ void linear_rows_t(const float * x, int64_t ldx, int64_t M, int64_t K, const WT 
         for (; n + NR <= n1; n += NR) {
             const WT * wn = w + n * K;
             const WT * bn = bias ? bias + n : nullptr;
+            if (n + 2 * NR <= n1) prefetch_range(wn + NR * K, NR * K * static_cast<int64_t>(sizeof(WT)));
             for (int64_t m = mb; m < me; m += 4) {
                 const int mr = static_cast<int>(me - m < 4 ? me - m : 4);
                 linear_tile_m<NR>(mr, x + m * ldx, ldx, wn, K, bn, y + m * ldy + n, ldy);
@@ -156,9 +164,18 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int kMaxHeadDim = 256;
 
-// One sequence, one KV head and the `group` query heads that share it. scratch holds
-// group * len scores.
-template <typename T>
+// [sum(v[0]), ..., sum(v[7])]: eight horizontal sums in seven shuffling adds.
+inline __m256 reduce8(const __m256 * v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit lane
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One sequence, one KV head and the `group` query heads that share it; scratch holds
+// group * len scores. NV = head_dim / 8 when known at compile time (the common head
+// sizes: q and the output accumulators then live in registers), 0 for any other.
+template <typename T, int NV>
 void decode_attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale,
                         const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
@@ -169,47 +186,48 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
     const int32_t * table = block_tables.ptr<int32_t>() + b * block_tables.stride(0);
     const T * kc = k_cache.ptr<T>();
     const T * vc = v_cache.ptr<T>();
-    const int64_t nv = D / 8;
+    const int64_t nv = NV ? NV : D / 8;
     const int64_t row = num_kv_heads * D;  // elements between consecutive tokens of a block
     const __m256 vscale = _mm256_set1_ps(scale);
+    constexpr int kRegs = NV ? NV : kMaxHeadDim / 8;
 
     for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv_head * group + g;
         const T * qh = q.ptr<T>() + b * q.stride(0) + h * q.stride(1);
-        __m256 qv[kMaxHeadDim / 8];
+        __m256 qv[kRegs];
         for (int64_t i = 0; i < nv; ++i) qv[i] = _mm256_mul_ps(load8(qh + 8 * i), vscale);
+        auto dot = [&](const T * kt) {
+            __m256 a = _mm256_mul_ps(qv[0], load8(kt));
+            for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a);
+            return a;
+        };
         float * s = scratch + g * len;
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        // scores, one token at a time, block by block through the table
+        // scores, block by block through the table; eight tokens share one reduction
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
             const T * kb = kc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
             const int64_t tn = len - t0 < block_size ? len - t0 : block_size;
-            for (int64_t t = 0; t < tn; ++t) {
-                const T * kt = kb + t * row;
-                __m256 a0 = _mm256_mul_ps(qv[0], load8(kt));
-                __m256 a1 = _mm256_setzero_ps();
-                int64_t i = 1;
-                for (; i + 1 < nv; i += 2) {
-                    a0 = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a0);
-                    a1 = _mm256_fmadd_ps(qv[i + 1], load8(kt + 8 * i + 8), a1);
-                }
-                if (i < nv) a0 = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a0);
-                s[t0 + t] = hsum(_mm256_add_ps(a0, a1));
-            }
-        }
-        float max_s = -INFINITY;
-        {
             int64_t t = 0;
-            for (; t + 8 <= len; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+            for (; t + 8 <= tn; t += 8) {
+                __m256 a[8];
+                for (int j = 0; j < 8; ++j) a[j] = dot(kb + (t + j) * row);
+                _mm256_storeu_ps(s + t0 + t, reduce8(a));
+            }
+            for (; t < tn; ++t) s[t0 + t] = hsum(dot(kb + t * row));
+        }
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        float max_s = -INFINITY;
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+        for (; t < len; ++t) max_s = std::fmax(max_s, s[t]);
+        {
             alignas(32) float tmp[8];
             _mm256_store_ps(tmp, vmax);
             for (float v : tmp) max_s = std::fmax(max_s, v);
-            for (; t < len; ++t) max_s = std::fmax(max_s, s[t]);
         }
         // probabilities, unnormalised; the sum divides the output once
         const __m256 mv = _mm256_set1_ps(max_s);
         __m256 vsum = _mm256_setzero_ps();
-        int64_t t = 0;
+        t = 0;
         for (; t + 8 <= len; t += 8) {
             const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
             _mm256_storeu_ps(s + t, p);
@@ -220,7 +238,7 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             s[t] = std::exp(s[t] - max_s);
             sum += s[t];
         }
-        __m256 acc[kMaxHeadDim / 8];
+        __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
             const T * vb = vc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
@@ -234,6 +252,17 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
         const __m256 inv = _mm256_set1_ps(1.f / sum);
         T * oh = out.ptr<T>() + b * out.stride(0) + h * out.stride(1);
         for (int64_t i = 0; i < nv; ++i) store8(oh + 8 * i, _mm256_mul_ps(acc[i], inv));
+    }
+}
+
+template <typename T>
+void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                        const TensorView & block_tables, const TensorView & context_lens, float scale,
+                        const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+    switch (q.size(2)) {
+        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
     }
 }
 
@@ -329,9 +358,9 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
                            const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: decode_attention_t<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        case DType::bf16: decode_attention_t<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        case DType::f16: decode_attention_t<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
         default: break;
     }
 }
