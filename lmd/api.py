@@ -80,22 +80,31 @@ class Pipeline:
         for g in gens:
             if g.n != 1:
                 raise ValueError('stream_infer takes n=1; call the pipeline itself for n > 1')
+
+        async def produce(put):
+            async def one(i, prompt, gen):
+                async for r in self.async_engine.generate(prompt, gen_config=gen, do_preprocess=do_preprocess,
+                                                          index=i):
+                    put(r)
+            await asyncio.gather(*(one(i, p, g) for i, (p, g) in enumerate(zip(batch, gens))))
+
+        return self._stream(produce)
+
+    def _stream(self, produce) -> Iterator:
+        """Run the coroutine ``produce(put)`` on the engine's loop and yield what it puts, here,
+        as it comes. A consumer that stops early cancels it (which aborts its requests)."""
         q: queue.Queue = queue.Queue()
         done = object()
 
-        async def one(i, prompt, gen):
-            async for r in self.async_engine.generate(prompt, gen_config=gen, do_preprocess=do_preprocess, index=i):
-                q.put(r)
-
-        async def run_all():
+        async def run():
             try:
-                await asyncio.gather(*(one(i, p, g) for i, (p, g) in enumerate(zip(batch, gens))))
+                await produce(q.put)
             except BaseException as e:
                 q.put(e)
             finally:
                 q.put(done)
 
-        future = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
             while True:
                 item = q.get()
@@ -105,7 +114,7 @@ class Pipeline:
                     raise item
                 yield item
         finally:
-            future.cancel()  # a consumer that stops early aborts the rest
+            future.cancel()
 
     # ---- interactive sessions -------------------------------------------------------------
 
@@ -129,29 +138,11 @@ class Pipeline:
 
     def stream_chat(self, message: str, session: Session,
                     gen_config: GenerationConfig | None = None) -> Iterator[Response]:
-        q: queue.Queue = queue.Queue()
-        done = object()
+        async def produce(put):
+            async for r in self.async_engine.chat(session, message, gen_config):
+                put(r)
 
-        async def run():
-            try:
-                async for r in self.async_engine.chat(session, message, gen_config):
-                    q.put(r)
-            except BaseException as e:
-                q.put(e)
-            finally:
-                q.put(done)
-
-        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
-        try:
-            while True:
-                item = q.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            future.cancel()
+        return self._stream(produce)
 
     def end_session(self, session: Session) -> None:
         self.async_engine.end_session(session)

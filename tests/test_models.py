@@ -15,6 +15,7 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 from lmd.pytorch_backend.context import StepContext
 from lmd.pytorch_backend.models import build_model
+from tiny_models import tiny_hf_model
 
 BLOCK_SIZE = 4
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -34,19 +35,7 @@ ARCHS = {
 
 def make_hf_model(arch: str, seed: int = 0):
     cfg_name, model_name, extra = ARCHS[arch]
-    hf_config = getattr(transformers, cfg_name)(**TINY, **extra)
-    hf_config.architectures = [model_name]
-    hf_config._attn_implementation = 'eager'
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(hf_config).eval()
-    # HF's init (std 0.02, unit norms, zero biases) leaves logits near uniform and hides
-    # norm/bias bugs; spread every parameter so each one matters.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if 'norm' in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.12)
+    model, hf_config = tiny_hf_model(cfg_name, model_name, seed, **TINY, **extra)
     config = ModelConfig.from_dict(hf_config.to_dict())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:

@@ -19,6 +19,7 @@ import transformers
 from lmd.engine import EngineOutput, EngineRequest, SamplingParams
 from lmd.messages import PytorchEngineConfig
 from lmd.pytorch_backend import PytorchEngine
+from tiny_models import tiny_hf_model
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)
@@ -40,17 +41,7 @@ def tiny_models(tmp_path_factory):
     def get(arch: str):
         if arch not in cache:
             cfg_name, model_name, extra = ARCHS[arch]
-            hf_config = getattr(transformers, cfg_name)(**TINY, **extra)
-            hf_config.architectures = [model_name]
-            torch.manual_seed(0)
-            model = getattr(transformers, model_name)(hf_config).eval()
-            # HF's init leaves logits near uniform (greedy ties) and hides norm/bias bugs: spread everything
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if 'norm' in name:
-                        p.copy_(1 + 0.3 * torch.randn_like(p))
-                    else:
-                        p.normal_(0, 0.12)
+            model, _ = tiny_hf_model(cfg_name, model_name, **TINY, **extra)
             path = str(tmp_path_factory.mktemp(f'tiny_{arch}'))
             model.save_pretrained(path, safe_serialization=True)
             cache[arch] = (model, path)
