@@ -8,21 +8,17 @@
 #include <string>
 
 #include "core/dlpack.h"
+#include "core/py_tensor.h"
 #include "core/tensor.h"
 #include "kernels/cpu/kernels.h"
 
 namespace py = pybind11;
 
 namespace turbomind {
-namespace {
-
-// A tensor kept alive by its owner object (the capsule, which holds a reference to it).
-struct HostTensor {
-    TensorView view;
-    py::object owner;
-};
 
 [[noreturn]] void fail(const std::string & msg) { throw py::value_error(msg); }
+
+namespace {
 
 DType dtype_of(const DLDataType & t, const char * name) {
     if (t.lanes == 1) {
@@ -37,6 +33,8 @@ DType dtype_of(const DLDataType & t, const char * name) {
     fail(std::string(name) + ": unsupported dtype (code " + std::to_string(t.code) + ", " +
          std::to_string(t.bits) + " bits)");
 }
+
+}  // namespace
 
 TensorView view_of_capsule(py::handle h, const char * name) {
     if (!PyCapsule_CheckExact(h.ptr()) || !PyCapsule_IsValid(h.ptr(), "dltensor")) {
@@ -74,7 +72,8 @@ void expect(bool ok, const char * name, const TensorView & v, const std::string 
     if (!ok) fail(std::string(name) + " (" + dtype_name(v.dtype) + " " + shape_str(v) + "): " + what);
 }
 
-bool is_float(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+
+namespace {
 
 void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, bool reference) {
     const TensorView x = view_of(x_h, "x"), w = view_of(w_h, "w"), y = view_of(y_h, "y");

@@ -1,0 +1,135 @@
+#include "models/llama.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/cpu/kernels.h"
+
+namespace turbomind {
+
+namespace {
+
+// A contiguous view over memory this file owns.
+TensorView view(void * data, DType dtype, std::initializer_list<int64_t> shape) {
+    TensorView v;
+    v.data = data;
+    v.dtype = dtype;
+    v.ndim = static_cast<int>(shape.size());
+    int i = 0;
+    for (int64_t s : shape) v.shape[i++] = s;
+    int64_t stride = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+        v.strides[d] = stride;
+        stride *= v.shape[d];
+    }
+    return v;
+}
+
+// Scratch that grows to the largest step seen and is reused.
+struct Buffer {
+    std::vector<uint8_t> bytes;
+    void * get(size_t n) {
+        if (bytes.size() < n) bytes.resize(n);
+        return bytes.data();
+    }
+};
+
+const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
+
+}  // namespace
+
+LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType dtype, int64_t num_blocks,
+                       int64_t block_size)
+    : config_(config), weights_(std::move(weights)), dtype_(dtype), num_blocks_(num_blocks), block_size_(block_size) {
+    if (static_cast<int64_t>(weights_.layers.size()) != config_.num_layers) {
+        throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
+                                    std::to_string(config_.num_layers) + " layers");
+    }
+    const size_t per_layer = static_cast<size_t>(num_blocks * block_size * config_.num_kv_heads * config_.head_dim) *
+                             dtype_size(dtype_);
+    for (int64_t l = 0; l < config_.num_layers; ++l) {
+        // new T[] without () leaves the pages untouched until a block is first written
+        k_cache_.emplace_back(new uint8_t[per_layer]);
+        v_cache_.emplace_back(new uint8_t[per_layer]);
+    }
+}
+
+int64_t LlamaModel::kv_bytes() const {
+    return 2 * config_.num_layers * num_blocks_ * block_size_ * config_.num_kv_heads * config_.head_dim *
+           static_cast<int64_t>(dtype_size(dtype_));
+}
+
+void LlamaModel::forward(const StepInputs & in, float * logits) {
+    const LlamaConfig & c = config_;
+    const int64_t T = in.num_tokens, H = c.hidden_size, D = c.head_dim;
+    const int64_t q_size = c.num_heads * D, qkv_size = (c.num_heads + 2 * c.num_kv_heads) * D;
+    const int64_t I2 = 2 * c.intermediate_size;
+    const size_t es = dtype_size(dtype_);
+    const float eps = c.rms_norm_eps;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    if (T == 0) return;
+
+    static thread_local Buffer b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act, b_out;
+    TensorView residual = view(b_res.get(T * H * es), dtype_, {T, H});
+    TensorView x = view(b_x.get(T * H * es), dtype_, {T, H});
+    TensorView qkv = view(b_qkv.get(T * qkv_size * es), dtype_, {T, qkv_size});
+    TensorView q = view(b_q.get(T * q_size * es), dtype_, {T, c.num_heads, D});
+    TensorView attn = view(b_attn.get(T * q_size * es), dtype_, {T, c.num_heads, D});
+    TensorView attn2d = view(attn.data, dtype_, {T, q_size});
+    TensorView delta = view(b_delta.get(T * H * es), dtype_, {T, H});
+    TensorView gu = view(b_gu.get(T * I2 * es), dtype_, {T, I2});
+    TensorView act = view(b_act.get(T * c.intermediate_size * es), dtype_, {T, c.intermediate_size});
+
+    TensorView pos = view(const_cast<int64_t *>(in.positions), DType::i64, {T});
+    TensorView slots = view(const_cast<int64_t *>(in.slots), DType::i64, {T});
+    TensorView tables = view(const_cast<int32_t *>(in.row_tables), DType::i32, {T, in.max_blocks});
+    TensorView lens = view(const_cast<int32_t *>(in.row_lens), DType::i32, {T});
+
+    // embedding rows
+    const auto * embed = static_cast<const uint8_t *>(weights_.embed.data);
+    for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(static_cast<uint8_t *>(residual.data) + t * H * es, embed + in.token_ids[t] * H * es, H * es);
+    }
+    const int64_t cache_shape[4] = {num_blocks_, block_size_, c.num_kv_heads, D};
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+        const LlamaLayerWeights & w = weights_.layers[l];
+        TensorView kc = view(k_cache_[l].get(), dtype_, {cache_shape[0], cache_shape[1], cache_shape[2], cache_shape[3]});
+        TensorView vc = view(v_cache_[l].get(), dtype_, {cache_shape[0], cache_shape[1], cache_shape[2], cache_shape[3]});
+        if (l == 0) {
+            cpu::rms_norm(residual, w.input_norm, eps, x, nullptr);
+        } else {
+            cpu::rms_norm(delta, w.input_norm, eps, x, &residual);
+        }
+        cpu::linear(x, w.qkv, opt(w.qkv_bias), qkv);
+        if (c.qk_norm) {  // per head, in place, token by token: [heads, D] rows inside qkv
+            for (int64_t t = 0; t < T; ++t) {
+                auto * row = static_cast<uint8_t *>(qkv.data) + t * qkv_size * es;
+                TensorView qh = view(row, dtype_, {c.num_heads, D});
+                TensorView kh = view(row + q_size * es, dtype_, {c.num_kv_heads, D});
+                cpu::rms_norm(qh, w.q_norm, eps, qh, nullptr);
+                cpu::rms_norm(kh, w.k_norm, eps, kh, nullptr);
+            }
+        }
+        cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads);
+        cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, attn);
+        cpu::linear(attn2d, w.o, opt(w.o_bias), delta);
+        cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
+        cpu::linear(x, w.gate_up, opt(w.gate_up_bias), gu);
+        cpu::silu_and_mul(gu, act);
+        cpu::linear(act, w.down, opt(w.down_bias), delta);
+    }
+    // the final norm and the head, only for the rows whose logits are wanted
+    const int64_t R = in.num_logit_rows;
+    if (R == 0) return;
+    cpu::rms_norm(delta, weights_.norm, eps, x, &residual);
+    TensorView hidden = view(b_out.get(R * H * sizeof(float)), DType::f32, {R, H});
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = in.logit_rows[r];
+        for (int64_t i = 0; i < H; ++i) hidden.ptr<float>()[r * H + i] = load_f32(x.data, row * H + i, dtype_);
+    }
+    TensorView out = view(logits, DType::f32, {R, c.vocab_size});
+    cpu::linear(hidden, weights_.lm_head, nullptr, out);
+}
+
+}  // namespace turbomind

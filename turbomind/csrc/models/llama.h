@@ -1,0 +1,89 @@
+// The Llama family (Llama, Mistral, Qwen2, Qwen3) in C++ over a paged KV cache that the
+// model owns. One forward pass runs the tokens of any mix of sequences: each token row
+// says which cache slot its K/V goes to, and which blocks and how many tokens it sees.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace turbomind {
+
+struct LlamaConfig {
+    int64_t hidden_size = 0;
+    int64_t intermediate_size = 0;
+    int64_t num_layers = 0;
+    int64_t num_heads = 0;
+    int64_t num_kv_heads = 0;
+    int64_t head_dim = 0;
+    int64_t vocab_size = 0;
+    float rms_norm_eps = 1e-6f;
+    bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
+};
+
+// Views of the weights, fused as the kernels want them; the Python side keeps the
+// memory alive for the model's lifetime. Optional tensors have data == nullptr.
+struct LlamaLayerWeights {
+    TensorView input_norm;   // [H]
+    TensorView qkv;          // [(Hq + 2 Hk) D, H]
+    TensorView qkv_bias;     // [(Hq + 2 Hk) D]
+    TensorView q_norm;       // [D]
+    TensorView k_norm;       // [D]
+    TensorView o;            // [H, Hq D]
+    TensorView o_bias;       // [H]
+    TensorView post_norm;    // [H]
+    TensorView gate_up;      // [2 I, H]
+    TensorView gate_up_bias; // [2 I]
+    TensorView down;         // [H, I]
+    TensorView down_bias;    // [H]
+};
+
+struct LlamaWeights {
+    TensorView embed;        // [V, H]
+    TensorView norm;         // [H]
+    TensorView lm_head;      // [V, H] (the embedding when tied)
+    TensorView cos_sin;      // [max_position, rot] = cat(cos, sin), the model dtype
+    std::vector<LlamaLayerWeights> layers;
+};
+
+// What one forward pass runs: T token rows, R of which want logits.
+struct StepInputs {
+    const int64_t * token_ids = nullptr;   // [T]
+    const int64_t * positions = nullptr;   // [T]
+    const int64_t * slots = nullptr;       // [T] block * block_size + offset where the row's K/V goes
+    const int32_t * row_tables = nullptr;  // [T, max_blocks] the blocks each row reads, in order
+    const int32_t * row_lens = nullptr;    // [T] tokens each row attends to (itself included)
+    const int64_t * logit_rows = nullptr;  // [R] rows whose logits are wanted
+    int64_t num_tokens = 0;
+    int64_t max_blocks = 0;
+    int64_t num_logit_rows = 0;
+};
+
+class LlamaModel {
+public:
+    LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType dtype, int64_t num_blocks,
+               int64_t block_size);
+
+    // logits: [R, V] float32, written.
+    void forward(const StepInputs & in, float * logits);
+
+    const LlamaConfig & config() const { return config_; }
+    DType dtype() const { return dtype_; }
+    int64_t num_blocks() const { return num_blocks_; }
+    int64_t block_size() const { return block_size_; }
+    int64_t kv_bytes() const;
+
+private:
+    LlamaConfig config_;
+    LlamaWeights weights_;
+    DType dtype_;
+    int64_t num_blocks_;
+    int64_t block_size_;
+    // per layer K and V: [num_blocks, block_size, Hk, D] in the model dtype, never zeroed:
+    // the kernels read only slots that were written
+    std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
+};
+
+}  // namespace turbomind

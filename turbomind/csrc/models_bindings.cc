@@ -1,0 +1,179 @@
+// lmd.turbomind._turbomind.LlamaModel: the C++ model and its paged KV cache, driven one
+// step at a time from Python. The engine thread will drive it from C++; this binding is
+// how the tests (and the Python side, until then) run it.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "core/py_tensor.h"
+#include "models/llama.h"
+
+namespace turbomind {
+
+namespace {
+
+DType parse_dtype(const std::string & s) {
+    if (s == "float32") return DType::f32;
+    if (s == "bfloat16") return DType::bf16;
+    if (s == "float16") return DType::f16;
+    fail("dtype " + s + " is not supported; use float32, bfloat16 or float16");
+}
+
+// The model plus the Python objects that keep its weights' memory alive.
+struct PyLlamaModel {
+    std::unique_ptr<LlamaModel> model;
+    py::list owners;
+};
+
+int64_t get_int(const py::dict & d, const char * key) {
+    if (!d.contains(key)) fail(std::string("LlamaModel config: missing ") + key);
+    return d[key].cast<int64_t>();
+}
+
+PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const std::string & dtype_name_,
+                          int64_t num_blocks, int64_t block_size) {
+    LlamaConfig c;
+    c.hidden_size = get_int(cfg, "hidden_size");
+    c.intermediate_size = get_int(cfg, "intermediate_size");
+    c.num_layers = get_int(cfg, "num_layers");
+    c.num_heads = get_int(cfg, "num_heads");
+    c.num_kv_heads = get_int(cfg, "num_kv_heads");
+    c.head_dim = get_int(cfg, "head_dim");
+    c.vocab_size = get_int(cfg, "vocab_size");
+    c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
+    c.qk_norm = cfg.contains("qk_norm") && cfg["qk_norm"].cast<bool>();
+    if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
+    const DType dt = parse_dtype(dtype_name_);
+    auto result = std::make_unique<PyLlamaModel>();
+    const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+    const int64_t qkv = (c.num_heads + 2 * c.num_kv_heads) * D;
+
+    // one weight by name, checked against its expected shape and the model dtype
+    auto take = [&](const std::string & name, std::initializer_list<int64_t> shape, bool required) {
+        TensorView v;
+        if (!tensors.contains(name) || tensors[py::str(name)].is_none()) {
+            if (required) fail("LlamaModel: missing weight " + name);
+            return v;
+        }
+        py::object obj = tensors[py::str(name)];
+        v = view_of(obj, name.c_str());
+        std::string want = "[";
+        int i = 0;
+        bool ok = v.ndim == static_cast<int>(shape.size());
+        for (int64_t s : shape) {
+            want += (i ? ", " : "") + std::to_string(s);
+            ok = ok && v.shape[i] == s;
+            ++i;
+        }
+        expect(ok && v.contiguous() && v.dtype == dt, name.c_str(), v,
+               "expected a contiguous " + dtype_name_ + " " + want + "]");
+        result->owners.append(obj);
+        return v;
+    };
+    LlamaWeights w;
+    w.embed = take("embed", {c.vocab_size, H}, true);
+    w.norm = take("norm", {H}, true);
+    w.lm_head = take("lm_head", {c.vocab_size, H}, true);
+    {
+        py::object obj = tensors["cos_sin"];
+        w.cos_sin = view_of(obj, "cos_sin");
+        expect(w.cos_sin.ndim == 2 && w.cos_sin.contiguous() && w.cos_sin.dtype == dt && w.cos_sin.size(1) <= D &&
+               w.cos_sin.size(1) % 2 == 0, "cos_sin", w.cos_sin, "expected [max_position, rot] with even rot <= head_dim");
+        result->owners.append(obj);
+    }
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+        const std::string p = "layers." + std::to_string(l) + ".";
+        LlamaLayerWeights lw;
+        lw.input_norm = take(p + "input_norm", {H}, true);
+        lw.qkv = take(p + "qkv", {qkv, H}, true);
+        lw.qkv_bias = take(p + "qkv_bias", {qkv}, false);
+        lw.q_norm = take(p + "q_norm", {D}, c.qk_norm);
+        lw.k_norm = take(p + "k_norm", {D}, c.qk_norm);
+        lw.o = take(p + "o", {H, c.num_heads * D}, true);
+        lw.o_bias = take(p + "o_bias", {H}, false);
+        lw.post_norm = take(p + "post_norm", {H}, true);
+        lw.gate_up = take(p + "gate_up", {2 * I, H}, true);
+        lw.gate_up_bias = take(p + "gate_up_bias", {2 * I}, false);
+        lw.down = take(p + "down", {H, I}, true);
+        lw.down_bias = take(p + "down_bias", {H}, false);
+        w.layers.push_back(lw);
+    }
+    result->model = std::make_unique<LlamaModel>(c, std::move(w), dt, num_blocks, block_size);
+    return result.release();
+}
+
+void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle slots_h, py::handle tables_h,
+             py::handle lens_h, py::handle rows_h, py::handle logits_h) {
+    const LlamaModel & m = *self.model;
+    const TensorView ids = view_of(ids_h, "token_ids"), pos = view_of(pos_h, "positions");
+    const TensorView slots = view_of(slots_h, "slots"), tables = view_of(tables_h, "row_tables");
+    const TensorView lens = view_of(lens_h, "row_lens"), rows = view_of(rows_h, "logit_rows");
+    const TensorView logits = view_of(logits_h, "logits");
+    const int64_t T = ids.numel();
+    auto vec = [&](const TensorView & v, const char * name, DType dt, int64_t n) {
+        expect(v.ndim == 1 && v.contiguous() && v.dtype == dt && v.size(0) == n, name, v,
+               std::string("expected a contiguous ") + dtype_name(dt) + " [" + std::to_string(n) + "]");
+    };
+    vec(ids, "token_ids", DType::i64, T);
+    vec(pos, "positions", DType::i64, T);
+    vec(slots, "slots", DType::i64, T);
+    vec(lens, "row_lens", DType::i32, T);
+    const int64_t R = rows.numel();
+    vec(rows, "logit_rows", DType::i64, R);
+    expect(tables.ndim == 2 && tables.contiguous() && tables.dtype == DType::i32 && tables.size(0) == T, "row_tables",
+           tables, "expected a contiguous int32 [T, max_blocks]");
+    expect(logits.ndim == 2 && logits.contiguous() && logits.dtype == DType::f32 && logits.size(0) == R &&
+           logits.size(1) == m.config().vocab_size, "logits", logits, "expected a contiguous float32 [R, vocab]");
+    const int64_t num_slots = m.num_blocks() * m.block_size(), max_blocks = tables.size(1);
+    for (int64_t t = 0; t < T; ++t) {  // bad ids and tables are errors, never wild reads or writes
+        const int64_t id = ids.ptr<int64_t>()[t], s = slots.ptr<int64_t>()[t];
+        const int32_t n = lens.ptr<int32_t>()[t];
+        if (id < 0 || id >= m.config().vocab_size) fail("token_ids[" + std::to_string(t) + "] = " + std::to_string(id) + " is outside the vocabulary");
+        if (s < 0 || s >= num_slots) fail("slots[" + std::to_string(t) + "] = " + std::to_string(s) + " is not a cache slot");
+        if (n < 1 || (n + m.block_size() - 1) / m.block_size() > max_blocks) fail("row_lens[" + std::to_string(t) + "] = " + std::to_string(n) + " does not fit row_tables");
+        for (int64_t b = 0; b < (n + m.block_size() - 1) / m.block_size(); ++b) {
+            const int32_t blk = tables.ptr<int32_t>()[t * max_blocks + b];
+            if (blk < 0 || blk >= m.num_blocks()) fail("row_tables[" + std::to_string(t) + ", " + std::to_string(b) + "] = " + std::to_string(blk) + " is not a block");
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = rows.ptr<int64_t>()[r];
+        if (row < 0 || row >= T) fail("logit_rows[" + std::to_string(r) + "] = " + std::to_string(row) + " is not a row of the step");
+    }
+    StepInputs in;
+    in.token_ids = ids.ptr<int64_t>();
+    in.positions = pos.ptr<int64_t>();
+    in.slots = slots.ptr<int64_t>();
+    in.row_tables = tables.ptr<int32_t>();
+    in.row_lens = lens.ptr<int32_t>();
+    in.logit_rows = rows.ptr<int64_t>();
+    in.num_tokens = T;
+    in.max_blocks = max_blocks;
+    in.num_logit_rows = R;
+    py::gil_scoped_release release;
+    self.model->forward(in, logits.ptr<float>());
+}
+
+}  // namespace
+
+void bind_models(py::module_ & m) {
+    py::class_<PyLlamaModel>(m, "LlamaModel",
+                             "A Llama-family model (Llama, Mistral, Qwen2, Qwen3) and its paged KV cache, in C++.")
+        .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
+             py::arg("block_size"),
+             "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
+             "rms_norm_eps, qk_norm. tensors: name -> DLPack capsule or HostTensor (embed, norm, lm_head, cos_sin, "
+             "layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, gate_up, gate_up_bias, "
+             "down, down_bias}).")
+        .def("forward", &forward, py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
+             py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),
+             "Run one step: every row's K/V into its slot, attention over row_lens[t] tokens of row_tables[t]; "
+             "logits[R, vocab] (float32) for logit_rows.")
+        .def_property_readonly("num_blocks", [](const PyLlamaModel & s) { return s.model->num_blocks(); })
+        .def_property_readonly("block_size", [](const PyLlamaModel & s) { return s.model->block_size(); })
+        .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); });
+}
+
+}  // namespace turbomind
