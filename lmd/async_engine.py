@@ -32,9 +32,12 @@ def build_engine(model_dir: str, backend: str | None,
     if backend not in ('pytorch', 'turbomind'):
         raise ValueError(f"backend={backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
     if backend == 'turbomind':
-        raise NotImplementedError(
-            'the TurboMind engine is not built yet (it lands with its own issue); '
-            "use backend='pytorch' or --backend pytorch")
+        if backend_config is None:
+            backend_config = TurbomindEngineConfig()
+        if not isinstance(backend_config, TurbomindEngineConfig):
+            raise ValueError(f'backend turbomind needs a TurbomindEngineConfig, got {type(backend_config).__name__}')
+        from .turbomind.engine import TurbomindEngine
+        return TurbomindEngine(model_dir, backend_config)
     if backend_config is None:
         backend_config = PytorchEngineConfig()
     if not isinstance(backend_config, PytorchEngineConfig):

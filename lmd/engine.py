@@ -13,6 +13,7 @@ engine thread and must only hand the output over (e.g. ``loop.call_soon_threadsa
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
@@ -144,3 +145,62 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the engine thread; pending requests finish with 'abort'."""
+
+
+class SessionTable:
+    """The request checks every engine runs in ``add_request``, and the session state they need:
+    which sessions have a turn in flight, and which interactive sessions are kept (with the
+    length of the context they hold). Thread-safe."""
+
+    def __init__(self, vocab_size: int, session_len: int):
+        self.vocab_size = vocab_size
+        self.session_len = session_len
+        self._lock = threading.Lock()
+        self._active: set[int] = set()
+        self._kept: dict[int, int] = {}
+
+    def admit(self, request: EngineRequest, callback) -> None:
+        """Raise ValueError (TypeError for wrong types) unless ``request`` can be served; else mark it in flight."""
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f'add_request expects an EngineRequest, got {type(request).__name__}')
+        if not callable(callback):
+            raise TypeError('add_request needs a callable callback')
+        sid, ids = request.session_id, request.token_ids
+        if not ids:
+            raise ValueError(f'session {sid}: the prompt is empty; send at least one token')
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f'session {sid}: token id {bad} is outside the vocabulary [0, {self.vocab_size})')
+        with self._lock:
+            if sid in self._active:
+                raise ValueError(f'session {sid} already has a request in flight; wait for it to finish or abort it')
+            history = 0
+            if not request.sequence_start:
+                if sid not in self._kept:
+                    raise ValueError(f'session {sid} is unknown: sequence_start=False continues a session kept '
+                                     'by an earlier request with sequence_end=False')
+                history = self._kept[sid]
+            if history + len(ids) >= self.session_len:
+                what = f'the prompt ({len(ids)} tokens' + (f' + {history} of history)' if history else ')')
+                raise ValueError(f'session {sid}: {what} must be shorter than session_len={self.session_len} '
+                                 'to leave room for generated tokens')
+            self._active.add(sid)
+
+    def withdraw(self, session_id: int) -> None:
+        """An admitted request that never reached the engine."""
+        with self._lock:
+            self._active.discard(session_id)
+
+    def finished(self, session_id: int, kept_tokens: int | None) -> None:
+        """A turn ended; ``kept_tokens``: the context a kept session now holds (None: not kept)."""
+        with self._lock:
+            self._active.discard(session_id)
+            if kept_tokens is None:
+                self._kept.pop(session_id, None)
+            else:
+                self._kept[session_id] = kept_tokens
+
+    def forget(self, session_id: int) -> None:
+        with self._lock:
+            self._kept.pop(session_id, None)

@@ -172,7 +172,7 @@ class PytorchEngineConfig:
 
 @dataclass
 class TurbomindEngineConfig:
-    """TurboMind's settings (its engine lands with the TurboMind issue)."""
+    """TurboMind's settings (the C++ engine, ``lmd.turbomind``)."""
     session_len: int | None = None
     max_batch_size: int = 128
     cache_max_entry_count: float = 0.8

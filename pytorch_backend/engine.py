@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback,
+from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
                         SamplingParams)
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
@@ -118,8 +118,7 @@ class PytorchEngine(Engine):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inbox: list = []
-        self._active: set[int] = set()         # sessions with a turn queued or running
-        self._kept: dict[int, int] = {}        # idle interactive session -> its context length
+        self._sessions = SessionTable(mc.vocab_size, session_len)  # in-flight and kept sessions
         self._closing = False
         self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
 
@@ -135,8 +134,7 @@ class PytorchEngine(Engine):
         self._post(_Abort(session_id, end=False))
 
     def end(self, session_id: int) -> None:
-        with self._lock:
-            self._kept.pop(session_id, None)
+        self._sessions.forget(session_id)
         self._post(_Abort(session_id, end=True))
 
     def stats(self) -> EngineStats:
@@ -207,35 +205,14 @@ class PytorchEngine(Engine):
             self._cond.notify()
 
     def _submit(self, request: EngineRequest, callback: OutputCallback, **hooks) -> None:
-        if not isinstance(request, EngineRequest):
-            raise TypeError(f'add_request expects an EngineRequest, got {type(request).__name__}')
-        if not callable(callback):
-            raise TypeError('add_request needs a callable callback')
-        sid, ids = request.session_id, request.token_ids
-        if not ids:
-            raise ValueError(f'session {sid}: the prompt is empty; send at least one token')
-        vocab = self.model_info.vocab_size
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f'session {sid}: token id {bad} is outside the vocabulary [0, {vocab})')
-        with self._cond:
+        with self._lock:
             if self._closing:
                 raise RuntimeError('the engine is closed')
-            if sid in self._active:
-                raise ValueError(f'session {sid} already has a request in flight; wait for it to finish or abort it')
-            history = 0
-            if not request.sequence_start:
-                if sid not in self._kept:
-                    raise ValueError(f'session {sid} is unknown: sequence_start=False continues a session kept '
-                                     'by an earlier request with sequence_end=False')
-                history = self._kept[sid]
-            total = history + len(ids)
-            if total >= self.session_len:
-                what = f'the prompt ({len(ids)} tokens' + (f' + {history} of history)' if history else ')')
-                raise ValueError(f'session {sid}: {what} must be shorter than session_len={self.session_len} '
-                                 'to leave room for generated tokens')
-            self._active.add(sid)
+        self._sessions.admit(request, callback)
+        with self._cond:
+            if self._closing:
+                self._sessions.withdraw(request.session_id)
+                raise RuntimeError('the engine is closed')
             self._inbox.append(_Add(request, callback, **hooks))
             self._cond.notify()
 
@@ -369,12 +346,8 @@ class PytorchEngine(Engine):
         sid = seq.session_id
         if not keep and self._seqs.get(sid) is seq:
             del self._seqs[sid]
-        with self._lock:  # before the callback: its caller may send the next turn at once
-            self._active.discard(sid)
-            if keep:
-                self._kept[sid] = seq.num_tokens
-            else:
-                self._kept.pop(sid, None)
+        # before the callback: its caller may send the next turn at once
+        self._sessions.finished(sid, seq.num_tokens if keep else None)
         if reason is None:
             return
         self._emit(seq, EngineOutput(
@@ -387,8 +360,7 @@ class PytorchEngine(Engine):
         self._outbox.append((seq.callback, out))
 
     def _emit_final_orphan(self, request: EngineRequest, callback, reason, error=None) -> None:
-        with self._lock:
-            self._active.discard(request.session_id)
+        self._sessions.withdraw(request.session_id)
         self._outbox.append((callback, EngineOutput(session_id=request.session_id, finish_reason=reason,
                                                     error=error)))
 

@@ -44,16 +44,17 @@ def test_corrupt_gguf_is_one_line(tmp_path):
     assert 'Traceback' not in r.stderr
 
 
-def test_turbomind_not_yet_is_clear():
-    r = lmd('chat', '--backend', 'turbomind', input='/exit\n')
+def test_bad_backend_is_one_line():
+    r = lmd('chat', '--backend', 'vllm', input='/exit\n')
     assert r.returncode == 2
-    assert 'TurboMind' in r.stderr and 'pytorch' in r.stderr and 'Traceback' not in r.stderr
+    assert r.stderr.startswith('lmd: error:') and 'turbomind' in r.stderr and 'Traceback' not in r.stderr
 
 
-def test_chat_streams_keeps_conversation_and_resets():
+@pytest.mark.parametrize('backend', ['pytorch', 'turbomind'])
+def test_chat_streams_keeps_conversation_and_resets(backend):
     # greedy (the CLI default): the second turn sees the first only through the kept session
     script = 'My favourite fruit is mango.\nWhat is my favourite fruit?\n/reset\nWhat is my favourite fruit?\n/exit\n'
-    r = lmd('chat', '--max-new-tokens', '24', input=script, timeout=300)
+    r = lmd('chat', '--backend', backend, '--max-new-tokens', '24', input=script, timeout=300)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.count('(new conversation)') == 1

@@ -1,7 +1,7 @@
-"""TurboMind: lmd's C++ engine (``lmd.turbomind._turbomind``).
+"""TurboMind: lmd's C++ engine (``lmd.turbomind._turbomind``); see README.md here.
 
-The engine itself lands with its own issue; today the native module proves the
-build path and reports the CPU features its kernels will dispatch on.
+``TurbomindEngine`` (``engine.py``) is the Engine interface over it; ``TurbomindModel``
+(``model.py``) the model alone, driven step by step; ``_turbomind.ops`` the CPU kernels.
 """
 from . import _turbomind
 

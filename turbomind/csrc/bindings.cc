@@ -7,6 +7,7 @@ namespace py = pybind11;
 
 namespace turbomind {
 void bind_ops(py::module_ & m);
+void bind_engine_parts(py::module_ & m);
 void bind_models(py::module_ & m);
 }
 
@@ -36,5 +37,6 @@ PYBIND11_MODULE(_turbomind, m) {
     }, "The instruction sets the kernels may use on this CPU, and its processor count.");
     m.def("cpu_features_summary", &turbomind::cpu_features_summary);
     turbomind::bind_ops(m);
+    turbomind::bind_engine_parts(m);
     turbomind::bind_models(m);
 }

@@ -1,6 +1,5 @@
-// lmd.turbomind._turbomind.LlamaModel: the C++ model and its paged KV cache, driven one
-// step at a time from Python. The engine thread will drive it from C++; this binding is
-// how the tests (and the Python side, until then) run it.
+// lmd.turbomind._turbomind.LlamaModel and Engine: the C++ model with its paged KV cache
+// (which tests may also drive one step at a time), and the engine whose thread runs it.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -8,6 +7,7 @@
 #include <string>
 
 #include "core/py_tensor.h"
+#include "engine/engine.h"
 #include "models/llama.h"
 
 namespace turbomind {
@@ -23,7 +23,7 @@ DType parse_dtype(const std::string & s) {
 
 // The model plus the Python objects that keep its weights' memory alive.
 struct PyLlamaModel {
-    std::unique_ptr<LlamaModel> model;
+    std::shared_ptr<LlamaModel> model;
     py::list owners;
 };
 
@@ -100,7 +100,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         lw.down_bias = take(p + "down_bias", {H}, false);
         w.layers.push_back(lw);
     }
-    result->model = std::make_unique<LlamaModel>(c, std::move(w), dt, num_blocks, block_size);
+    result->model = std::make_shared<LlamaModel>(c, std::move(w), dt, num_blocks, block_size);
     return result.release();
 }
 
@@ -156,6 +156,51 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
     self.model->forward(in, logits.ptr<float>());
 }
 
+// The engine plus the model object it runs (which keeps the weights alive).
+struct PyEngine {
+    py::object model;
+    std::unique_ptr<Engine> engine;
+};
+
+template <typename T>
+T get_or(const py::dict & d, const char * key, T fallback) {
+    return d.contains(key) && !d[key].is_none() ? d[key].cast<T>() : fallback;
+}
+
+SamplingParams sampling_from_dict(const py::dict & d) {
+    SamplingParams p;
+    p.min_new_tokens = get_or<int32_t>(d, "min_new_tokens", 0);
+    p.greedy = get_or<bool>(d, "greedy", true);
+    p.temperature = get_or<float>(d, "temperature", 1.0f);
+    p.top_p = get_or<float>(d, "top_p", 1.0f);
+    p.top_k = get_or<int32_t>(d, "top_k", 0);
+    p.min_p = get_or<float>(d, "min_p", 0.0f);
+    p.repetition_penalty = get_or<float>(d, "repetition_penalty", 1.0f);
+    p.presence_penalty = get_or<float>(d, "presence_penalty", 0.0f);
+    p.frequency_penalty = get_or<float>(d, "frequency_penalty", 0.0f);
+    if (d.contains("random_seed") && !d["random_seed"].is_none()) {
+        p.has_seed = true;
+        p.random_seed = d["random_seed"].cast<uint64_t>();
+    }
+    p.stop_token_ids = get_or<std::vector<int32_t>>(d, "stop_token_ids", {});
+    p.bad_token_ids = get_or<std::vector<int32_t>>(d, "bad_token_ids", {});
+    p.logprobs = get_or<int32_t>(d, "logprobs", -1);
+    const std::string problem = sampling_params_check(p);
+    if (!problem.empty()) fail("sampling " + problem);
+    return p;
+}
+
+const char * finish_name(Finish f) {
+    switch (f) {
+        case Finish::stop: return "stop";
+        case Finish::length: return "length";
+        case Finish::abort: return "abort";
+        case Finish::error: return "error";
+        case Finish::none: break;
+    }
+    return nullptr;
+}
+
 }  // namespace
 
 void bind_models(py::module_ & m) {
@@ -174,6 +219,92 @@ void bind_models(py::module_ & m) {
         .def_property_readonly("num_blocks", [](const PyLlamaModel & s) { return s.model->num_blocks(); })
         .def_property_readonly("block_size", [](const PyLlamaModel & s) { return s.model->block_size(); })
         .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); });
+
+    py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
+        .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,
+                         bool enable_prefix_caching, uint64_t sampler_seed) {
+                 PyLlamaModel & pm = model.cast<PyLlamaModel &>();
+                 if (max_batch_size < 1 || max_num_batched_tokens < 1 || session_len < 2) {
+                     fail("Engine: max_batch_size and max_num_batched_tokens must be >= 1, session_len >= 2");
+                 }
+                 EngineConfig c;
+                 c.max_batch_size = max_batch_size;
+                 c.max_num_batched_tokens = max_num_batched_tokens;
+                 c.session_len = session_len;
+                 c.num_blocks = static_cast<int32_t>(pm.model->num_blocks());
+                 c.block_size = static_cast<int32_t>(pm.model->block_size());
+                 c.enable_prefix_caching = enable_prefix_caching;
+                 c.sampler_seed = sampler_seed;
+                 auto e = new PyEngine{model, nullptr};
+                 e->engine = std::make_unique<Engine>(pm.model, c);
+                 return e;
+             }),
+             py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
+             py::arg("enable_prefix_caching"), py::arg("sampler_seed"))
+        .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
+                       const py::dict & sampling, bool sequence_start, bool sequence_end) {
+                 Request r;
+                 r.session_id = session_id;
+                 r.token_ids = std::move(token_ids);
+                 r.max_new_tokens = max_new_tokens;
+                 r.sampling = sampling_from_dict(sampling);
+                 r.sequence_start = sequence_start;
+                 r.sequence_end = sequence_end;
+                 self.engine->add(std::move(r));
+             },
+             py::arg("session_id"), py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("sampling"),
+             py::arg("sequence_start") = true, py::arg("sequence_end") = true)
+        .def("abort", [](PyEngine & self, int64_t sid) { self.engine->abort(sid); }, py::arg("session_id"))
+        .def("end", [](PyEngine & self, int64_t sid) { self.engine->end(sid); }, py::arg("session_id"))
+        .def("wait_outputs", [](PyEngine & self, double timeout_s) {
+                 std::vector<Output> outs;
+                 {
+                     py::gil_scoped_release release;
+                     outs = self.engine->wait_outputs(timeout_s);
+                 }
+                 py::list result;
+                 for (Output & o : outs) {
+                     py::object lps = py::none();
+                     if (!o.logprobs.empty()) {
+                         py::list per_token;
+                         for (auto & alts : o.logprobs) {
+                             py::dict d;
+                             for (const TokenLogprob & t : alts) d[py::int_(t.token_id)] = t.logprob;
+                             per_token.append(d);
+                         }
+                         lps = per_token;
+                     }
+                     const char * fin = finish_name(o.finish);
+                     result.append(py::make_tuple(o.session_id, py::tuple(py::cast(o.token_ids)), lps,
+                                                  fin ? py::object(py::str(fin)) : py::object(py::none()),
+                                                  o.num_prompt_tokens, o.num_cached_tokens, o.num_context_tokens,
+                                                  o.kept, o.error.empty() ? py::object(py::none()) : py::object(py::str(o.error))));
+                 }
+                 return result;
+             },
+             py::arg("timeout_s"),
+             "Outputs since the last call, oldest first, as tuples (session_id, token_ids, logprobs, finish_reason, "
+             "num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error); waits up to timeout_s for one.")
+        .def("stats", [](PyEngine & self) {
+                 EngineStats s = self.engine->stats();
+                 py::dict d;
+                 d["num_running"] = s.num_running;
+                 d["num_waiting"] = s.num_waiting;
+                 d["num_total_blocks"] = s.num_total_blocks;
+                 d["num_free_blocks"] = s.num_free_blocks;
+                 d["num_cached_blocks"] = s.num_cached_blocks;
+                 d["num_prefix_hit_tokens"] = s.num_prefix_hit_tokens;
+                 d["num_prefix_query_tokens"] = s.num_prefix_query_tokens;
+                 d["num_preemptions"] = s.num_preemptions;
+                 d["num_prompt_tokens"] = s.num_prompt_tokens;
+                 d["num_generated_tokens"] = s.num_generated_tokens;
+                 return d;
+             })
+        .def("close", [](PyEngine & self) {
+                 py::gil_scoped_release release;
+                 self.engine->close();
+             })
+        .def_property_readonly("closed", [](PyEngine & self) { return self.engine->closed(); });
 }
 
 }  // namespace turbomind

@@ -194,6 +194,8 @@ void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
 
 }  // namespace
 
+void bind_quant(py::module_ & ops);  // quant_bindings.cc
+
 void bind_ops(py::module_ & m) {
     py::module_ ops = m.def_submodule("ops", "TurboMind's CPU kernels on DLPack tensors");
     py::class_<HostTensor>(ops, "HostTensor",
@@ -225,6 +227,7 @@ void bind_ops(py::module_ & m) {
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
+    bind_quant(ops);
 }
 
 }  // namespace turbomind

@@ -1,0 +1,158 @@
+// TurboMind's engine: a request queue, a batching thread, the paged KV cache's blocks and the
+// model, all in C++. Python posts requests and collects outputs; neither waits on the other
+// while a step runs (the GIL is never held by the engine thread).
+//
+// The rule of a step (the same as pytorch_backend/scheduler.py): every sequence has
+// num_computed_tokens and num_tokens; a step gives each the tokens that let it catch up,
+// within max_num_batched_tokens and max_batch_size. Running sequences first, oldest first (a
+// decode needs one token, a chunked prefill the rest of its prompt), then waiting ones in FIFO
+// order. When blocks run out, idle sessions give theirs up first, then the newest running
+// sequence is preempted and recomputed later (its generated tokens stay in its context).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/sampler.h"
+#include "models/llama.h"
+
+namespace turbomind {
+
+enum class Finish : int8_t { none = 0, stop = 1, length = 2, abort = 3, error = 4 };
+
+struct Request {
+    int64_t session_id = 0;
+    std::vector<int32_t> token_ids;
+    int64_t max_new_tokens = 512;
+    SamplingParams sampling;
+    bool sequence_start = true;
+    bool sequence_end = true;
+};
+
+// New tokens of one request since its last output; finish is set on its last.
+struct Output {
+    int64_t session_id = 0;
+    std::vector<int32_t> token_ids;
+    std::vector<std::vector<TokenLogprob>> logprobs;  // one per new token when asked for
+    Finish finish = Finish::none;
+    int64_t num_prompt_tokens = 0;   // context before generation (a session's history included)
+    int64_t num_cached_tokens = 0;   // of those, served from the prefix cache or the kept session
+    int64_t num_context_tokens = 0;  // with finish: what a kept session now holds
+    bool kept = false;               // with finish: the session stays for its next turn
+    std::string error;
+};
+
+struct EngineConfig {
+    int64_t max_batch_size = 128;
+    int64_t max_num_batched_tokens = 4096;
+    int64_t session_len = 4096;
+    int32_t num_blocks = 0;
+    int32_t block_size = 64;
+    bool enable_prefix_caching = false;
+    uint64_t sampler_seed = 0;  // the stream of requests without a random_seed
+};
+
+struct EngineStats {
+    int64_t num_running = 0, num_waiting = 0;
+    int64_t num_total_blocks = 0, num_free_blocks = 0, num_cached_blocks = 0;
+    int64_t num_prefix_hit_tokens = 0, num_prefix_query_tokens = 0;
+    int64_t num_preemptions = 0, num_prompt_tokens = 0, num_generated_tokens = 0;
+};
+
+class Engine {
+public:
+    Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config);
+    ~Engine();
+    Engine(const Engine &) = delete;
+    Engine & operator=(const Engine &) = delete;
+
+    // Thread-safe; never wait for a step. The Python side validates requests first.
+    void add(Request request);
+    void abort(int64_t session_id);
+    void end(int64_t session_id);
+    // Outputs in the order they were made; waits up to timeout_s for at least one. Empty after close.
+    std::vector<Output> wait_outputs(double timeout_s);
+    EngineStats stats() const;
+    // Pending requests finish with abort; the thread stops. Idempotent.
+    void close();
+    bool closed() const;
+
+private:
+    enum class Status { waiting, running, idle, finished };
+
+    struct Sequence {
+        int64_t session_id = 0;
+        BlockSequence blocks;  // token ids, computed count, blocks
+        int64_t num_prompt_tokens = 0;
+        int64_t num_cached_tokens = 0;
+        Status status = Status::waiting;
+        int64_t max_new_tokens = 0;
+        SamplingParams sampling;
+        std::unique_ptr<SamplingState> sampling_state;
+        bool sequence_end = true;
+        bool is_admitted = false;
+        int64_t num_generated() const { return blocks.num_tokens() - num_prompt_tokens; }
+    };
+
+    struct Message {
+        enum Kind { add, abort, end } kind;
+        Request request;
+        int64_t session_id;
+    };
+
+    void loop();
+    void handle(Message & m);
+    void on_add(Request & r);
+    bool step();
+    void finish(Sequence * seq, Finish reason, std::vector<int32_t> tokens = {},
+                std::vector<std::vector<TokenLogprob>> lps = {}, std::string error = {});
+    void emit(Output out);
+    void update_stats();
+
+    // the scheduler (engine thread only)
+    struct Scheduled {
+        std::vector<Sequence *> seqs;
+        std::vector<int64_t> counts;
+        std::vector<std::pair<Sequence *, std::string>> failed;
+    };
+    Scheduled schedule();
+    void preempt(Sequence * seq);
+    bool release_kept(Sequence * but);
+    void dequeue(Sequence * seq);
+
+    std::shared_ptr<LlamaModel> model_;
+    EngineConfig config_;
+    BlockManager blocks_;
+    Sampler sampler_;
+
+    // engine thread only
+    std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
+    std::deque<Sequence *> waiting_;
+    std::vector<Sequence *> running_;
+    std::list<Sequence *> idle_;  // least recently used first
+    int64_t num_preemptions_ = 0, num_prompt_tokens_ = 0, num_generated_tokens_ = 0;
+    std::vector<float> logits_;
+    std::vector<int32_t> sampled_ids_;
+    std::vector<std::vector<TokenLogprob>> sampled_logprobs_;
+
+    // shared with callers
+    mutable std::mutex mutex_;
+    std::condition_variable inbox_cv_, outbox_cv_;
+    std::vector<Message> inbox_;
+    std::vector<Output> outbox_;
+    bool closing_ = false, stopped_ = false;
+    EngineStats stats_;
+    std::thread thread_;
+};
+
+}  // namespace turbomind

@@ -1,0 +1,161 @@
+"""``TurbomindEngine``: lmd's Engine interface over TurboMind's C++ engine.
+
+The C++ side owns everything per step: the request queue, the batching thread, the
+block manager with its prefix cache, the model and its KV cache, and sampling.
+This wrapper checks requests before they go in (one clear ``ValueError`` each), and
+runs one Python thread that collects the engine's outputs (waiting without the GIL)
+and hands each to its request's callback, in order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
+                        SessionTable)
+from lmd.messages import TurbomindEngineConfig
+from lmd.model_config import ModelConfig
+
+from . import _turbomind
+from .model import TurbomindModel
+
+logger = logging.getLogger('lmd.turbomind')
+
+DEFAULT_MAX_SESSION_LEN = 8192
+# On a CPU, "free memory" is the host's RAM: cap what cache_max_entry_count may take of it.
+MAX_CPU_CACHE_BYTES = 4 << 30
+
+
+def _sampling_dict(sp: SamplingParams) -> dict:
+    return dict(min_new_tokens=sp.min_new_tokens, greedy=sp.greedy, temperature=sp.temperature, top_p=sp.top_p,
+                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                random_seed=sp.random_seed, stop_token_ids=list(sp.stop_token_ids),
+                bad_token_ids=list(sp.bad_token_ids), logprobs=-1 if sp.logprobs is None else sp.logprobs)
+
+
+class TurbomindEngine(Engine):
+
+    def __init__(self, model_dir: str, config: TurbomindEngineConfig | None = None):
+        from lmd.model_loader import load_weights
+        from lmd.pytorch_backend.engine import resolve_dtype
+        from lmd.pytorch_backend.model_runner import available_memory_bytes
+
+        cfg = config or TurbomindEngineConfig()
+        if cfg.tp != 1:
+            raise ValueError(f'TurbomindEngineConfig.tp={cfg.tp} is invalid: TurboMind runs on one device (tp=1)')
+        if cfg.device != 'cpu':
+            raise ValueError(f"TurbomindEngineConfig.device={cfg.device!r} is invalid: this build of TurboMind has "
+                             "CPU kernels only; use device='cpu'")
+        if cfg.quant_policy != 0:
+            raise ValueError(f'TurbomindEngineConfig.quant_policy={cfg.quant_policy} is invalid: the quantized KV '
+                             'cache has not landed in TurboMind yet; use quant_policy=0')
+        if cfg.model_format not in (None, 'hf', 'gguf'):
+            raise ValueError(f'TurbomindEngineConfig.model_format={cfg.model_format!r} is not supported by TurboMind '
+                             "yet; use 'hf' (or a .gguf file, converted on load)")
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        _turbomind.ops.set_num_threads(torch.get_num_threads())
+        self.config = cfg
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(cfg.dtype, mc)
+
+        block_size = cfg.cache_block_seq_len
+        session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+        if cfg.num_cache_blocks is not None:
+            num_blocks = cfg.num_cache_blocks
+        else:
+            budget = min(available_memory_bytes(torch.device('cpu')) * cfg.cache_max_entry_count, MAX_CPU_CACHE_BYTES)
+            num_blocks = max(int(budget // per_block), (session_len + block_size - 1) // block_size)
+        if num_blocks * block_size < session_len:
+            logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
+                           session_len, num_blocks * block_size, num_blocks, block_size)
+            session_len = num_blocks * block_size
+        self.session_len = session_len
+
+        self.model = TurbomindModel(mc, load_weights(model_dir, self.dtype), self.dtype, num_blocks, block_size)
+        seed = int.from_bytes(os.urandom(8), 'little')
+        self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
+                                     session_len, cfg.enable_prefix_caching, seed)
+        self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
+                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture)
+        self._sessions = SessionTable(mc.vocab_size, session_len)
+        self._callbacks: dict[int, OutputCallback] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_outputs, name='lmd-turbomind-outputs', daemon=True)
+        self._reader.start()
+
+    # ---- the Engine interface (any thread) ------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError('the engine is closed')
+        self._sessions.admit(request, callback)
+        sp = request.sampling
+        with self._lock:
+            self._callbacks[request.session_id] = callback
+        try:
+            self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, _sampling_dict(sp),
+                         request.sequence_start, request.sequence_end)
+        except BaseException:
+            with self._lock:
+                self._callbacks.pop(request.session_id, None)
+            self._sessions.withdraw(request.session_id)
+            raise
+
+    def abort(self, session_id: int) -> None:
+        self.cpp.abort(session_id)
+
+    def end(self, session_id: int) -> None:
+        self._sessions.forget(session_id)
+        self.cpp.end(session_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self.cpp.stats())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.cpp.close()
+        if threading.current_thread() is not self._reader:
+            self._reader.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the output thread ----------------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        while True:
+            batch = self.cpp.wait_outputs(0.5)
+            for sid, token_ids, logprobs, finish, n_prompt, n_cached, n_context, kept, error in batch:
+                if finish is not None:  # before the callback: its caller may send the next turn at once
+                    self._sessions.finished(sid, n_context if kept else None)
+                    with self._lock:
+                        callback = self._callbacks.pop(sid, None)
+                else:
+                    with self._lock:
+                        callback = self._callbacks.get(sid)
+                if callback is None:
+                    continue
+                out = EngineOutput(session_id=sid, token_ids=token_ids,
+                                   logprobs=None if logprobs is None else tuple(logprobs), finish_reason=finish,
+                                   num_prompt_tokens=n_prompt, num_cached_tokens=n_cached, error=error)
+                try:
+                    callback(out)
+                except Exception:
+                    logger.exception('turbomind: the callback of session %d raised', sid)
+            if not batch and self.cpp.closed:
+                return
