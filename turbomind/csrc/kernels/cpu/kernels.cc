@@ -1,6 +1,7 @@
 // Dispatch and threading of the CPU kernels: shape checks live in the bindings, the
 // arithmetic in kernels_ref.cc / kernels_avx2.cc; this file splits the work across threads.
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/parallel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -26,18 +27,6 @@ bool use_avx2() {
     return ok;
 }
 
-// Run fn(thread_index, num_threads) on `threads` threads (inline when one).
-template <typename Fn>
-void parallel(int threads, Fn && fn) {
-#if defined(LMD_WITH_OPENMP)
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        fn(omp_get_thread_num(), omp_get_num_threads());
-        return;
-    }
-#endif
-    fn(0, 1);
-}
 
 }  // namespace
 

@@ -11,25 +11,13 @@
 #endif
 
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/parallel.h"
 
 namespace turbomind::cpu {
 
 namespace {
 
 bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
-
-// Run fn(thread_index, num_threads) on `threads` threads (inline when one), as kernels.cc does.
-template <typename Fn>
-void parallel(int threads, Fn && fn) {
-#if defined(LMD_WITH_OPENMP)
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        fn(omp_get_thread_num(), omp_get_num_threads());
-        return;
-    }
-#endif
-    fn(0, 1);
-}
 
 // Threads for an [M, K] x [N, K]ᵀ product: below ~64k multiply-adds a second thread costs
 // more than it saves.
