@@ -183,6 +183,7 @@ def test_smollm2_through_the_pipeline(smollm2_dir):
     try:
         tok = pipe.async_engine.tokenizer
         engine = pipe.async_engine.engine
+        assert engine.model.num_w4a16 > 0  # the GGUF's 4-bit matmuls run as they are
         prompts = [tok.encode(p) for p in SMOL_PROMPTS]
         got, _ = generate(engine, prompts, SamplingParams(max_new_tokens=32), first_sid=10_000)
         for p, toks in zip(prompts, got):

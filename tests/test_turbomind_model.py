@@ -146,3 +146,25 @@ def test_bad_rows_are_clear_errors():
         _turbomind.LlamaModel(cfg, tensors, 'float32', 8, BLOCK_SIZE)
     # and the model still runs
     assert torch.isfinite(runner.step([(1, [1, 2, 3])])[0]).all()
+
+
+def test_smollm2_gguf_runs_at_4_bits_without_loss(smollm2_dir):
+    """The shipped Q4_1 weights in TurboMind's W4A16 layout dequantize bit for bit to the
+    float weights lmd's GGUF reader produces, and the 4-bit model's logits match HF float32."""
+    import transformers
+
+    from lmd.turbomind.quant import dequantize_w4a16, gguf_w4a16_for
+    config = ModelConfig.from_dir(smollm2_dir)
+    weights = load_weights(smollm2_dir, torch.float32)
+    w4a16 = gguf_w4a16_for(smollm2_dir)
+    assert len(w4a16) == 7 * config.num_layers  # every matmul of every layer
+    for name, parts in w4a16.items():
+        assert torch.equal(dequantize_w4a16(*parts), weights[name]), name
+    model = TurbomindModel(config, weights, torch.float32, 32, 16, w4a16=w4a16)
+    assert model.num_w4a16 == 4 * config.num_layers  # qkv, o, gate_up, down
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokens = [t + 100 for t in random_tokens(40, seed=9)]
+    ours = tm_chunked(model, tokens, prefill_chunks=[24])
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3

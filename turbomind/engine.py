@@ -21,6 +21,7 @@ from lmd.model_config import ModelConfig
 
 from . import _turbomind
 from .model import TurbomindModel
+from .quant import gguf_w4a16_for
 
 logger = logging.getLogger('lmd.turbomind')
 
@@ -55,7 +56,7 @@ class TurbomindEngine(Engine):
                              'cache has not landed in TurboMind yet; use quant_policy=0')
         if cfg.model_format not in (None, 'hf', 'gguf'):
             raise ValueError(f'TurbomindEngineConfig.model_format={cfg.model_format!r} is not supported by TurboMind '
-                             "yet; use 'hf' (or a .gguf file, converted on load)")
+                             "yet; use 'hf', or 'gguf' (a .gguf file: its Q4_0/Q4_1 matmuls run in 4 bits)")
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         _turbomind.ops.set_num_threads(torch.get_num_threads())
@@ -78,7 +79,10 @@ class TurbomindEngine(Engine):
             session_len = num_blocks * block_size
         self.session_len = session_len
 
-        self.model = TurbomindModel(mc, load_weights(model_dir, self.dtype), self.dtype, num_blocks, block_size)
+        # a GGUF model keeps its 4-bit matmuls (bit-exact W4A16) unless model_format='hf' asks for float
+        w4a16 = gguf_w4a16_for(model_dir) if cfg.model_format != 'hf' else None
+        self.model = TurbomindModel(mc, load_weights(model_dir, self.dtype), self.dtype, num_blocks, block_size,
+                                    w4a16=w4a16)
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)

@@ -18,9 +18,18 @@ from . import _turbomind
 DTYPE_NAMES = {torch.float32: 'float32', torch.bfloat16: 'bfloat16', torch.float16: 'float16'}
 
 
-def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...)."""
+W4A16_GROUP_SIZE = 32  # the group of GGUF Q4_0 / Q4_1, the one W4A16 source wired in so far
+
+
+def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 w4a16: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...).
+
+    ``w4a16``: HF weight name -> (qweight, scales, mins) (``quant.read_gguf_w4a16``); a fused
+    matmul whose parts are all there runs in W4A16 (``<name>.qweight`` ...), else in float.
+    """
     check_weights(config, weights)
+    w4a16 = w4a16 or {}
 
     def get(name: str) -> torch.Tensor | None:
         t = weights.get(name)
@@ -31,6 +40,13 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
             return None
         return torch.cat([weights[n].to(dtype) for n in names], dim=0).contiguous()
 
+    def linear(name: str, parts: list[str]) -> None:
+        if all(p in w4a16 for p in parts):
+            for i, field in enumerate(('qweight', 'scales', 'mins')):
+                out[f'{name}.{field}'] = torch.cat([w4a16[p][i] for p in parts], dim=0).contiguous()
+        else:
+            out[name] = cat(parts)
+
     out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
            'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
     out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
@@ -38,17 +54,21 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
         p, q = f'model.layers.{n}.', f'layers.{n}.'
         attn, mlp = p + 'self_attn.', p + 'mlp.'
         out[q + 'input_norm'] = get(p + 'input_layernorm.weight')
-        out[q + 'qkv'] = cat([attn + f'{x}_proj.weight' for x in 'qkv'])
+        linear(q + 'qkv', [attn + f'{x}_proj.weight' for x in 'qkv'])
         out[q + 'qkv_bias'] = cat([attn + f'{x}_proj.bias' for x in 'qkv'])
         out[q + 'q_norm'] = get(attn + 'q_norm.weight')
         out[q + 'k_norm'] = get(attn + 'k_norm.weight')
-        out[q + 'o'] = get(attn + 'o_proj.weight')
+        linear(q + 'o', [attn + 'o_proj.weight'])
         out[q + 'o_bias'] = get(attn + 'o_proj.bias')
         out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
-        out[q + 'gate_up'] = cat([mlp + 'gate_proj.weight', mlp + 'up_proj.weight'])
+        linear(q + 'gate_up', [mlp + 'gate_proj.weight', mlp + 'up_proj.weight'])
         out[q + 'gate_up_bias'] = cat([mlp + 'gate_proj.bias', mlp + 'up_proj.bias'])
-        out[q + 'down'] = get(mlp + 'down_proj.weight')
+        linear(q + 'down', [mlp + 'down_proj.weight'])
         out[q + 'down_bias'] = get(mlp + 'down_proj.bias')
+    quantized = {k.rsplit('.', 1)[0] for k in out if k.endswith('.qweight')}
+    for name in quantized:  # the W4A16 kernel takes a float32 bias
+        if out.get(name + '_bias') is not None:
+            out[name + '_bias'] = out[name + '_bias'].float()
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -56,17 +76,18 @@ class TurbomindModel:
     """A Llama-family model in C++; ``forward`` runs one step given per-row cache addressing."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int):
+                 num_blocks: int, block_size: int, w4a16: dict[str, tuple] | None = None):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self.config = config
         self.dtype = dtype
         self.block_size = block_size
-        self.tensors = fuse_weights(config, weights, dtype)   # kept: C++ reads their memory
+        self.tensors = fuse_weights(config, weights, dtype, w4a16)   # kept: C++ reads their memory
+        self.num_w4a16 = sum(k.endswith('.qweight') for k in self.tensors)
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-                   qk_norm=config.qk_norm)
+                   qk_norm=config.qk_norm, w4a16_group_size=W4A16_GROUP_SIZE)
         handles = {k: _turbomind.ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
         self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size)
 

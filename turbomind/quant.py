@@ -20,6 +20,8 @@ the kernel (``ops.quantize_per_token``).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -121,3 +123,80 @@ def quantize_w8(w: torch.Tensor):
     scales = w.abs().amax(dim=1) / 127
     inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
     return torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+# The matmul weights TurboMind runs in W4A16 straight from a GGUF file.
+_GGUF_W4_READERS = {'Q4_0': from_gguf_q4_0, 'Q4_1': from_gguf_q4_1}
+_LINEAR_SUFFIXES = ('q_proj.weight', 'k_proj.weight', 'v_proj.weight', 'o_proj.weight',
+                    'gate_proj.weight', 'up_proj.weight', 'down_proj.weight')
+
+
+def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """HF name -> (qweight, scales, mins) for every Q4_0 / Q4_1 matmul weight of a GGUF file,
+    in the W4A16 layout (group size 32), bit-exact; llama.cpp's row permutation of q and k
+    undone as ``lmd.gguf_model`` undoes it. Tensors of other types are left out (the caller
+    takes them from the dequantized model)."""
+    from lmd.gguf_model import GGUF_ARCHITECTURES, _fields, _hf_name, _open_reader, _unpermute_rope
+    reader = _open_reader(path)
+    meta = _fields(reader, path)
+    arch = meta.get('general.architecture')
+    heads = None
+    if arch in GGUF_ARCHITECTURES and GGUF_ARCHITECTURES[arch][2]:
+        n_head = int(meta.get(f'{arch}.attention.head_count', 0))
+        n_kv = meta.get(f'{arch}.attention.head_count_kv', n_head)
+        heads = {'q_proj.weight': n_head, 'k_proj.weight': int(n_kv[0] if isinstance(n_kv, list) else n_kv)}
+    out = {}
+    for t in reader.tensors:
+        convert = _GGUF_W4_READERS.get(t.tensor_type.name)
+        name = _hf_name(t.name, path)
+        if convert is None or not name.endswith(_LINEAR_SUFFIXES):
+            continue
+        k, n = (int(d) for d in t.shape)  # GGUF lists dims fastest first
+        qweight, scales, mins = convert(t.data, n, k)
+        suffix = name.rsplit('.', 2)[-2] + '.weight'
+        if heads is not None and suffix in heads:  # a row permutation: whole rows move, groups intact
+            rows = torch.from_numpy(_unpermute_rope(np.arange(n), heads[suffix]).copy())
+            qweight, scales, mins = qweight[rows], scales[rows], mins[rows]
+        out[name] = (qweight.contiguous(), scales.contiguous(), mins.contiguous())
+    return out
+
+
+# beside the converted model, in a folder of its own so weight loaders never mistake it for a shard
+W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.safetensors')
+
+
+def gguf_w4a16_for(model_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The W4A16 weights of a directory that ``lmd convert`` made from a GGUF file: read from
+    the directory's cache, or from the source GGUF (then cached there, written atomically).
+    None for any other directory, or when neither is at hand."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from lmd.model_path import CONVERSION_MARKER
+    marker = os.path.join(model_dir, CONVERSION_MARKER)
+    if not os.path.isfile(marker):
+        return None
+    cache = os.path.join(model_dir, W4A16_CACHE_FILE)
+    if os.path.isfile(cache):
+        flat = load_file(cache)
+        names = {k.rsplit('.', 1)[0] for k in flat}
+        return {n: (flat[n + '.qweight'], flat[n + '.scales'], flat[n + '.mins']) for n in names}
+    with open(marker, encoding='utf-8') as f:
+        source = json.load(f).get('source')
+    if not source or not os.path.isfile(source):
+        return None
+    weights = read_gguf_w4a16(source)
+    if weights:
+        flat = {f'{n}.{field}': t for n, parts in weights.items()
+                for field, t in zip(('qweight', 'scales', 'mins'), parts)}
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix='.w4a16-', suffix='.tmp', dir=os.path.dirname(cache))
+            os.close(fd)
+            save_file(flat, tmp)
+            os.replace(tmp, cache)
+        except OSError:  # a read-only directory: run without the cache
+            pass
+    return weights

@@ -72,6 +72,34 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         result->owners.append(obj);
         return v;
     };
+    // a matmul's weights: "<name>" (float [N, K]) or "<name>.qweight/.scales/.mins" (W4A16,
+    // group size from the config's w4a16_group_size); "<name>_bias" optional
+    const int64_t G = cfg.contains("w4a16_group_size") ? cfg["w4a16_group_size"].cast<int64_t>() : 0;
+    auto linear = [&](const std::string & name, int64_t N, int64_t K) {
+        LinearWeights lw;
+        if (tensors.contains(name + ".qweight")) {
+            if (G < 32 || G % 32 || K % G) fail("LlamaModel: " + name + " is W4A16 but w4a16_group_size = " + std::to_string(G) + " does not fit K = " + std::to_string(K));
+            auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
+                py::object obj = tensors[py::str(n)];
+                TensorView v = view_of(obj, n.c_str());
+                bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
+                int i = 0;
+                for (int64_t d : shape) ok = ok && v.shape[i++] == d;
+                expect(ok, n.c_str(), v, std::string("expected a contiguous ") + dtype_name(want) + " W4A16 tensor");
+                result->owners.append(obj);
+                return v;
+            };
+            lw.qweight = raw(name + ".qweight", DType::u8, {N, K / 2});
+            lw.scales = raw(name + ".scales", DType::f32, {N, K / G});
+            lw.mins = raw(name + ".mins", DType::f32, {N, K / G});
+            lw.group_size = G;
+            if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
+        } else {
+            lw.weight = take(name, {N, K}, true);
+            lw.bias = take(name + "_bias", {N}, false);
+        }
+        return lw;
+    };
     LlamaWeights w;
     w.embed = take("embed", {c.vocab_size, H}, true);
     w.norm = take("norm", {H}, true);
@@ -87,17 +115,13 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         const std::string p = "layers." + std::to_string(l) + ".";
         LlamaLayerWeights lw;
         lw.input_norm = take(p + "input_norm", {H}, true);
-        lw.qkv = take(p + "qkv", {qkv, H}, true);
-        lw.qkv_bias = take(p + "qkv_bias", {qkv}, false);
+        lw.qkv = linear(p + "qkv", qkv, H);
         lw.q_norm = take(p + "q_norm", {D}, c.qk_norm);
         lw.k_norm = take(p + "k_norm", {D}, c.qk_norm);
-        lw.o = take(p + "o", {H, c.num_heads * D}, true);
-        lw.o_bias = take(p + "o_bias", {H}, false);
+        lw.o = linear(p + "o", H, c.num_heads * D);
         lw.post_norm = take(p + "post_norm", {H}, true);
-        lw.gate_up = take(p + "gate_up", {2 * I, H}, true);
-        lw.gate_up_bias = take(p + "gate_up_bias", {2 * I}, false);
-        lw.down = take(p + "down", {H, I}, true);
-        lw.down_bias = take(p + "down_bias", {H}, false);
+        lw.gate_up = linear(p + "gate_up", 2 * I, H);
+        lw.down = linear(p + "down", H, I);
         w.layers.push_back(lw);
     }
     result->model = std::make_shared<LlamaModel>(c, std::move(w), dt, num_blocks, block_size);
@@ -209,9 +233,9 @@ void bind_models(py::module_ & m) {
         .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
              py::arg("block_size"),
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
-             "rms_norm_eps, qk_norm. tensors: name -> DLPack capsule or HostTensor (embed, norm, lm_head, cos_sin, "
-             "layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, gate_up, gate_up_bias, "
-             "down, down_bias}).")
+             "rms_norm_eps, qk_norm, w4a16_group_size. tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
+             "gate_up, gate_up_bias, down, down_bias}); a matmul may come as <name>.qweight/.scales/.mins (W4A16).")
         .def("forward", &forward, py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
              py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),
              "Run one step: every row's K/V into its slot, attention over row_lens[t] tokens of row_tables[t]; "

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/quant.h"
 
 namespace turbomind {
 
@@ -36,6 +37,14 @@ struct Buffer {
 };
 
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
+
+void apply(const TensorView & x, const LinearWeights & w, const TensorView & y) {
+    if (w.quantized()) {
+        cpu::linear_w4a16(x, w.qweight, w.scales, w.mins, opt(w.bias), y, w.group_size);
+    } else {
+        cpu::linear(x, w.weight, opt(w.bias), y);
+    }
+}
 
 }  // namespace
 
@@ -101,7 +110,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         } else {
             cpu::rms_norm(delta, w.input_norm, eps, x, &residual);
         }
-        cpu::linear(x, w.qkv, opt(w.qkv_bias), qkv);
+        apply(x, w.qkv, qkv);
         if (c.qk_norm) {  // per head, in place, token by token: [heads, D] rows inside qkv
             for (int64_t t = 0; t < T; ++t) {
                 auto * row = static_cast<uint8_t *>(qkv.data) + t * qkv_size * es;
@@ -113,11 +122,11 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         }
         cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads);
         cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, attn);
-        cpu::linear(attn2d, w.o, opt(w.o_bias), delta);
+        apply(attn2d, w.o, delta);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
-        cpu::linear(x, w.gate_up, opt(w.gate_up_bias), gu);
+        apply(x, w.gate_up, gu);
         cpu::silu_and_mul(gu, act);
-        cpu::linear(act, w.down, opt(w.down_bias), delta);
+        apply(act, w.down, delta);
     }
     // the final norm and the head, only for the rows whose logits are wanted
     const int64_t R = in.num_logit_rows;

@@ -25,19 +25,27 @@ struct LlamaConfig {
 
 // Views of the weights, fused as the kernels want them; the Python side keeps the
 // memory alive for the model's lifetime. Optional tensors have data == nullptr.
+
+// One matmul's weights: float [N, K] in the model dtype, or W4A16 (kernels/cpu/quant.h:
+// qweight uint8 [N, K/2], scales and mins float32 [N, K/G]); bias [N] (model dtype for
+// float weights, float32 for W4A16) or none.
+struct LinearWeights {
+    TensorView weight;
+    TensorView qweight, scales, mins;
+    int64_t group_size = 0;
+    TensorView bias;
+    bool quantized() const { return qweight.data != nullptr; }
+};
+
 struct LlamaLayerWeights {
     TensorView input_norm;   // [H]
-    TensorView qkv;          // [(Hq + 2 Hk) D, H]
-    TensorView qkv_bias;     // [(Hq + 2 Hk) D]
+    LinearWeights qkv;       // [(Hq + 2 Hk) D, H]
     TensorView q_norm;       // [D]
     TensorView k_norm;       // [D]
-    TensorView o;            // [H, Hq D]
-    TensorView o_bias;       // [H]
+    LinearWeights o;         // [H, Hq D]
     TensorView post_norm;    // [H]
-    TensorView gate_up;      // [2 I, H]
-    TensorView gate_up_bias; // [2 I]
-    TensorView down;         // [H, I]
-    TensorView down_bias;    // [H]
+    LinearWeights gate_up;   // [2 I, H]
+    LinearWeights down;      // [H, I]
 };
 
 struct LlamaWeights {
