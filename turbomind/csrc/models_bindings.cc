@@ -75,24 +75,31 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     // a matmul's weights: "<name>" (float [N, K]) or "<name>.qweight/.scales/.mins" (W4A16,
     // group size from the config's w4a16_group_size); "<name>_bias" optional
     const int64_t G = cfg.contains("w4a16_group_size") ? cfg["w4a16_group_size"].cast<int64_t>() : 0;
+    const int64_t G8 = cfg.contains("w8a16_group_size") ? cfg["w8a16_group_size"].cast<int64_t>() : 0;
     auto linear = [&](const std::string & name, int64_t N, int64_t K) {
         LinearWeights lw;
+        auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
+            py::object obj = tensors[py::str(n)];
+            TensorView v = view_of(obj, n.c_str());
+            bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
+            int i = 0;
+            for (int64_t d : shape) ok = ok && v.shape[i++] == d;
+            expect(ok, n.c_str(), v, std::string("expected a contiguous ") + dtype_name(want) + " quantized tensor");
+            result->owners.append(obj);
+            return v;
+        };
+        const bool w8 = tensors.contains(name + ".qweight") && !tensors.contains(name + ".mins");
         if (tensors.contains(name + ".qweight")) {
-            if (G < 32 || G % 32 || K % G) fail("LlamaModel: " + name + " is W4A16 but w4a16_group_size = " + std::to_string(G) + " does not fit K = " + std::to_string(K));
-            auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
-                py::object obj = tensors[py::str(n)];
-                TensorView v = view_of(obj, n.c_str());
-                bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
-                int i = 0;
-                for (int64_t d : shape) ok = ok && v.shape[i++] == d;
-                expect(ok, n.c_str(), v, std::string("expected a contiguous ") + dtype_name(want) + " W4A16 tensor");
-                result->owners.append(obj);
-                return v;
-            };
-            lw.qweight = raw(name + ".qweight", DType::u8, {N, K / 2});
-            lw.scales = raw(name + ".scales", DType::f32, {N, K / G});
-            lw.mins = raw(name + ".mins", DType::f32, {N, K / G});
-            lw.group_size = G;
+            const int64_t g = w8 ? G8 : G;
+            if (g < 32 || g % 32 || K % g) fail("LlamaModel: " + name + " is quantized but its group size " + std::to_string(g) + " does not fit K = " + std::to_string(K));
+            if (w8) {
+                lw.qweight = raw(name + ".qweight", DType::i8, {N, K});
+            } else {
+                lw.qweight = raw(name + ".qweight", DType::u8, {N, K / 2});
+                lw.mins = raw(name + ".mins", DType::f32, {N, K / g});
+            }
+            lw.scales = raw(name + ".scales", DType::f32, {N, K / g});
+            lw.group_size = g;
             if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
         } else {
             lw.weight = take(name, {N, K}, true);
@@ -103,7 +110,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     LlamaWeights w;
     w.embed = take("embed", {c.vocab_size, H}, true);
     w.norm = take("norm", {H}, true);
-    w.lm_head = take("lm_head", {c.vocab_size, H}, true);
+    w.lm_head = linear("lm_head", c.vocab_size, H);
     {
         py::object obj = tensors["cos_sin"];
         w.cos_sin = view_of(obj, "cos_sin");

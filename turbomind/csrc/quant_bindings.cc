@@ -56,6 +56,32 @@ void linear_w4a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
     cpu::linear_w4a16(x, qweight, scales, mins, has_bias ? &bias : nullptr, y, group_size, reference);
 }
 
+void linear_w8a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::handle bias_h, py::handle y_h,
+                  int64_t group_size, bool reference) {
+    const TensorView x = view_of(x_h, "x"), qweight = view_of(qweight_h, "qweight");
+    const TensorView scales = view_of(scales_h, "scales"), y = view_of(y_h, "y");
+    if (group_size < 32 || group_size % 32 != 0) {
+        fail("group_size = " + std::to_string(group_size) + ": must be a positive multiple of 32 (32, 64, 128)");
+    }
+    expect(qweight.ndim == 2 && qweight.contiguous() && qweight.dtype == DType::i8, "qweight", qweight,
+           "must be a contiguous int8 [N, K] tensor");
+    const int64_t N = qweight.size(0);
+    check_x_y(x, y, N);
+    const int64_t K = x.size(1);
+    expect(K % group_size == 0, "x", x,
+           "K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
+    expect(qweight.size(1) == K, "qweight", qweight, "must be [N, K] with x's K = " + std::to_string(K));
+    const int64_t num_groups = K / group_size;
+    expect(scales.ndim == 2 && scales.contiguous() && scales.dtype == DType::f32 && scales.size(0) == N &&
+           scales.size(1) == num_groups, "scales", scales, "must be a contiguous float32 [N, K / group_size] = " +
+           dims(N, num_groups) + " tensor");
+    TensorView bias;
+    const bool has_bias = !bias_h.is_none();
+    if (has_bias) check_bias(bias_h, bias, N);
+    py::gil_scoped_release release;
+    cpu::linear_w8a16(x, qweight, scales, has_bias ? &bias : nullptr, y, group_size, reference);
+}
+
 void linear_w8a8(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::handle bias_h, py::handle y_h,
                  bool reference) {
     const TensorView x = view_of(x_h, "x"), qweight = view_of(qweight_h, "qweight");
@@ -98,6 +124,11 @@ void bind_quant(py::module_ & ops) {
             "y[M, N] = x[M, K] @ w.T (+ bias[N]) with w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]: "
             "qweight uint8 [N, K / 2] (element k in byte k // 2, low nibble = even k), scales and mins "
             "float32 [N, K / G], bias float32 [N] or None. Layouts: lmd.turbomind.quant.");
+    ops.def("linear_w8a16", &linear_w8a16, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
+            py::arg("y"), py::arg("group_size"), py::arg("reference") = false,
+            "y[M, N] = x[M, K] @ w.T (+ bias[N]) with w[n, k] = qweight[n, k] * scales[n, k // G]: qweight "
+            "int8 [N, K], scales float32 [N, K / G] (G a multiple of 32 dividing K; GGUF Q8_0 is G = 32), "
+            "bias float32 [N] or None. Layouts: lmd.turbomind.quant.");
     ops.def("linear_w8a8", &linear_w8a8, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
             py::arg("y"), py::arg("reference") = false,
             "y[M, N] = x @ w.T (+ bias[N]) with x quantized per token to int8 (quantize_per_token) and "

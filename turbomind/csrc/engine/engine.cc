@@ -86,6 +86,7 @@ void Engine::loop() {
             std::vector<Sequence *> pending(running_.begin(), running_.end());
             pending.insert(pending.end(), waiting_.begin(), waiting_.end());
             for (Sequence * seq : pending) finish(seq, Finish::abort);
+            update_stats();
             std::lock_guard<std::mutex> lock(mutex_);
             for (Message & m : inbox_) {
                 if (m.kind == Message::add) {
@@ -402,14 +403,17 @@ void Engine::finish(Sequence * seq, Finish reason, std::vector<int32_t> tokens,
     if (reason != Finish::none) emit(std::move(o));
 }
 
-void Engine::emit(Output out) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    outbox_.push_back(std::move(out));
-    outbox_cv_.notify_all();
-}
+// Outputs of an iteration are published with its stats (update_stats), so a caller that saw
+// a request's final output sees the blocks it returned.
+void Engine::emit(Output out) { pending_.push_back(std::move(out)); }
 
 void Engine::update_stats() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!pending_.empty()) {
+        for (Output & o : pending_) outbox_.push_back(std::move(o));
+        pending_.clear();
+        outbox_cv_.notify_all();
+    }
     stats_.num_running = static_cast<int64_t>(running_.size());
     stats_.num_waiting = static_cast<int64_t>(waiting_.size());
     stats_.num_total_blocks = blocks_.num_blocks();

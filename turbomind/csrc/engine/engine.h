@@ -144,6 +144,7 @@ private:
     std::vector<float> logits_;
     std::vector<int32_t> sampled_ids_;
     std::vector<std::vector<TokenLogprob>> sampled_logprobs_;
+    std::vector<Output> pending_;  // outputs of this iteration, published by update_stats()
 
     // shared with callers
     mutable std::mutex mutex_;

@@ -39,7 +39,9 @@ struct Buffer {
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 
 void apply(const TensorView & x, const LinearWeights & w, const TensorView & y) {
-    if (w.quantized()) {
+    if (w.quantized() && w.qweight.dtype == DType::i8) {
+        cpu::linear_w8a16(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
+    } else if (w.quantized()) {
         cpu::linear_w4a16(x, w.qweight, w.scales, w.mins, opt(w.bias), y, w.group_size);
     } else {
         cpu::linear(x, w.weight, opt(w.bias), y);
@@ -138,7 +140,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         for (int64_t i = 0; i < H; ++i) hidden.ptr<float>()[r * H + i] = load_f32(x.data, row * H + i, dtype_);
     }
     TensorView out = view(logits, DType::f32, {R, c.vocab_size});
-    cpu::linear(hidden, weights_.lm_head, nullptr, out);
+    apply(hidden, weights_.lm_head, out);
 }
 
 }  // namespace turbomind

@@ -26,9 +26,10 @@ struct LlamaConfig {
 // Views of the weights, fused as the kernels want them; the Python side keeps the
 // memory alive for the model's lifetime. Optional tensors have data == nullptr.
 
-// One matmul's weights: float [N, K] in the model dtype, or W4A16 (kernels/cpu/quant.h:
-// qweight uint8 [N, K/2], scales and mins float32 [N, K/G]); bias [N] (model dtype for
-// float weights, float32 for W4A16) or none.
+// One matmul's weights (layouts in kernels/cpu/quant.h): float [N, K] in the model dtype;
+// W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G]); or W8A16 (qweight int8
+// [N, K], scales float32 [N, K/G]). Bias [N]: the model dtype for float weights, float32
+// for quantized ones; or none.
 struct LinearWeights {
     TensorView weight;
     TensorView qweight, scales, mins;
@@ -51,7 +52,7 @@ struct LlamaLayerWeights {
 struct LlamaWeights {
     TensorView embed;        // [V, H]
     TensorView norm;         // [H]
-    TensorView lm_head;      // [V, H] (the embedding when tied)
+    LinearWeights lm_head;   // [V, H] (the embedding when tied and not quantized)
     TensorView cos_sin;      // [max_position, rot] = cat(cos, sin), the model dtype
     std::vector<LlamaLayerWeights> layers;
 };

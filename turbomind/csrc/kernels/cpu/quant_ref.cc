@@ -34,6 +34,28 @@ void linear_w4a16_rows(const TensorView & x, const TensorView & qweight, const T
     }
 }
 
+void linear_w8a16_rows(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                       const TensorView * bias, const TensorView & y, int64_t group_size, int64_t n0, int64_t n1) {
+    const int64_t M = x.size(0), K = x.size(1), G = group_size, num_groups = K / G;
+    const int8_t * q = qweight.ptr<int8_t>();
+    const float * s = scales.ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t xo = m * x.stride(0);
+        for (int64_t n = n0; n < n1; ++n) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < num_groups; ++g) {
+                float dot = 0.f;
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    dot += static_cast<float>(q[n * K + k]) * load_f32(x.data, xo + k, x.dtype);
+                }
+                acc += s[n * num_groups + g] * dot;
+            }
+            if (bias) acc += bias->ptr<float>()[n];
+            store_f32(y.data, m * y.stride(0) + n, y.dtype, acc);
+        }
+    }
+}
+
 float quantize_row(const TensorView & x, int64_t m, int8_t * xq) {
     const int64_t K = x.size(1), xo = m * x.stride(0);
     float absmax = 0.f;

