@@ -63,10 +63,11 @@ WARMUP_TOKENS = 8
 # lmd TurboMind formats: what TurbomindEngineConfig gets, and what the run checks it really got
 LMD_FORMATS = {
     'float32': {'model_format': 'hf', 'dtype': 'float32'},   # 'hf': the float weights even of a GGUF conversion
+    'float16': {'model_format': 'hf', 'dtype': 'float16'},   # 16-bit weights, activations and KV cache
     'w4a16': {'model_format': 'gguf', 'dtype': 'float32'},   # Q4_0/Q4_1 matmuls at 4 bits, float32 activations
 }
 # the llama.cpp file each lmd format is set against, by figure
-PAIRS = [('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1')]
+PAIRS = [('float16', 'F16'), ('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1')]
 
 
 # ---- the GGUF files -----------------------------------------------------------------------------------
@@ -436,7 +437,7 @@ def parse_args(argv=None):
     p.add_argument('--gguf', default=None, help='llama.cpp 4-bit model (default: the shipped SmolLM2 Q4_1 GGUF)')
     p.add_argument('--f16-gguf', default=None,
                    help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<name>.F16.gguf)')
-    p.add_argument('--lmd-formats', default='float32,w4a16',
+    p.add_argument('--lmd-formats', default='float16,float32,w4a16',
                    help=f'lmd TurboMind formats, comma-separated: {", ".join(LMD_FORMATS)}')
     p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument('--decode-tokens', default='128,128', help='batch-1 decode: prompt,output tokens')

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -18,17 +19,27 @@ from .chat_template import get_chat_template, to_messages
 from .engine import Engine, EngineOutput, EngineRequest, SamplingParams
 from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
-from .model_path import prepare_model_dir
+from .model_path import TURBOMIND_CONFIG, prepare_model_dir
 from .tokenizer import DetokenizeState, StopStringMatcher, Tokenizer
 
 logger = logging.getLogger('lmd')
 
 
+def _turbomind_only(model_dir: str) -> bool:
+    from .model_config import ModelConfig
+    return (os.path.isfile(os.path.join(model_dir, TURBOMIND_CONFIG))
+            or ModelConfig.from_dir(model_dir).model_format != 'hf')
+
+
 def build_engine(model_dir: str, backend: str | None,
                  backend_config: PytorchEngineConfig | TurbomindEngineConfig | None) -> Engine:
-    """The engine for ``backend`` ('pytorch' or 'turbomind'); None picks by the config's type."""
+    """The engine for ``backend`` ('pytorch' or 'turbomind'); None picks by the config's type, and
+    without a config, TurboMind for what only it runs (AWQ, W8A8, its own layout), else PyTorch."""
     if backend is None:
-        backend = 'turbomind' if isinstance(backend_config, TurbomindEngineConfig) else 'pytorch'
+        if backend_config is None:
+            backend = 'turbomind' if _turbomind_only(model_dir) else 'pytorch'
+        else:
+            backend = 'turbomind' if isinstance(backend_config, TurbomindEngineConfig) else 'pytorch'
     if backend not in ('pytorch', 'turbomind'):
         raise ValueError(f"backend={backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
     if backend == 'turbomind':

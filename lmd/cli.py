@@ -1,4 +1,4 @@
-"""The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert``.
+"""The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert [--backend turbomind]``.
 
 Every subcommand answers ``--help``. A user's mistake (a missing model, a bad
 flag value) prints one ``lmd: error: ...`` line and exits 2, never a traceback.
@@ -26,8 +26,8 @@ class CLI:
 
     def chat(self, model_path: str | None = None, backend: str = 'pytorch', chat_template: str | None = None,
              system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
-             enable_prefix_caching: bool = False, dtype: str = 'auto', num_threads: int | None = None,
-             max_new_tokens: int = 1024, do_sample: bool = False, temperature: float = 0.8, top_p: float = 1.0,
+             enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
+             num_threads: int | None = None, max_new_tokens: int = 1024, do_sample: bool = False, temperature: float = 0.8, top_p: float = 1.0,
              top_k: int = 50, repetition_penalty: float = 1.0, random_seed: int | None = None):
         """Chat with a model in the terminal; answers stream as they are generated.
 
@@ -43,6 +43,7 @@ class CLI:
             cache_max_entry_count: the fraction of free memory the KV cache may take.
             enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
             dtype: auto, float32, bfloat16 or float16.
+            quant_policy: KV cache quantization (turbomind): 0 none, 8 int8, 4 int4.
             num_threads: CPU threads for the engine (default: all cores).
             max_new_tokens: the most tokens one answer may have.
             do_sample: sample instead of greedy decoding.
@@ -55,26 +56,38 @@ class CLI:
         from .chat import run_chat
         from .messages import ChatTemplateConfig, GenerationConfig
         config = _engine_config(backend, session_len=session_len, cache_max_entry_count=cache_max_entry_count,
-                                enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads)
+                                enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads,
+                                quant_policy=quant_policy)
         gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                                random_seed=random_seed)
         template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
         run_chat(model_path, backend, config, gen, template, system)
 
-    def convert(self, model_path: str, out_dir: str, overwrite: bool = False):
-        """Convert a model (a .gguf file) into an HF-style directory.
+    def convert(self, model_path: str, out_dir: str, backend: str | None = None, dtype: str = 'auto',
+                overwrite: bool = False):
+        """Convert a model into a directory an engine loads without its source.
 
-        The directory holds model.safetensors (float32), config.json, tokenizer.json and
-        tokenizer_config.json with the chat template; it loads in lmd and in transformers.
+        Without --backend (or with --backend pytorch): a .gguf file into an HF-style directory,
+        model.safetensors (float32), config.json, tokenizer.json and tokenizer_config.json with the
+        chat template; it loads in lmd and in transformers.
+
+        With --backend turbomind: a .gguf file or an HF model directory (float, AWQ or W8A8) into
+        TurboMind's own layout: turbomind/model.safetensors (q/k/v and gate/up fused, quantized
+        matmuls packed as the kernels read them; a GGUF's Q4_0/Q4_1 stay 4-bit), turbomind/config.json
+        (format version, sizes, each matmul's format, each tensor's digest) and the config and
+        tokenizer files. It loads in TurboMind.
 
         Args:
-            model_path: a .gguf file, or 'smollm2' for the embedded model.
+            model_path: a .gguf file, 'smollm2' for the embedded model, or (--backend turbomind) a model directory.
             out_dir: the directory to write.
+            backend: 'pytorch' (HF-style output, the default) or 'turbomind'.
+            dtype: with --backend turbomind, the dtype of the float tensors: auto (the model's), float32,
+                bfloat16 or float16.
             overwrite: replace out_dir if it already holds files.
         """
         from .convert import convert
-        path = convert(model_path, out_dir, overwrite=overwrite)
+        path = convert(model_path, out_dir, overwrite=overwrite, backend=backend, dtype=dtype)
         print(f'wrote {path}')
 
 

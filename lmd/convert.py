@@ -1,9 +1,12 @@
-"""``lmd convert MODEL.gguf OUT_DIR``: a GGUF file as an HF-style directory.
+"""``lmd convert MODEL OUT_DIR``: a GGUF file as an HF-style directory, or (``--backend
+turbomind``) any model TurboMind runs in TurboMind's own layout.
 
-The output (model.safetensors in float32, config.json, tokenizer.json,
+The HF-style output (model.safetensors in float32, config.json, tokenizer.json,
 tokenizer_config.json, generation_config.json) loads in ``transformers`` and in
-both lmd engines. It also carries ``lmd_conversion.json`` (source, size, mtime),
-by which a later ``convert`` knows it may replace the directory.
+both lmd engines. The TurboMind output (``lmd/turbomind/converter.py``) holds the
+fused, already quantized tensors and the same config and tokenizer files; it loads
+in TurboMind alone, without its source. Both carry ``lmd_conversion.json`` (source,
+size, mtime, layout), by which a later ``convert`` knows it may replace the directory.
 """
 from __future__ import annotations
 
@@ -15,34 +18,49 @@ import tempfile
 from .errors import LmdError, ModelFormatError
 from .model_path import CONVERSION_MARKER, conversion_info, resolve_model_path
 
-# Files a conversion writes; with overwrite=True into a foreign directory, other
-# weight files are removed too so a stale shard index cannot shadow the new weights.
-_OUTPUT_FILES = ('model.safetensors', 'config.json', 'tokenizer.json', 'tokenizer_config.json',
-                 'generation_config.json', CONVERSION_MARKER)
+# With overwrite=True into a foreign directory, its weight files are removed too so a
+# stale shard index cannot shadow the new weights.
 _WEIGHT_SUFFIXES = ('.safetensors', '.safetensors.index.json', '.bin', '.bin.index.json')
+LAYOUTS = {None: 'hf', 'pytorch': 'hf', 'turbomind': 'turbomind'}  # --backend -> what is written
 
 
 class OutputDirNotEmptyError(LmdError, FileExistsError):
     """The output directory has files that an earlier conversion did not write."""
 
 
-def write_conversion(gguf_path: str, out_dir: str, keep_existing: bool = False) -> str:
+def _write(src: str, out_dir: str, layout: str, dtype: str) -> None:
+    """Convert ``src`` into ``out_dir`` (made, or empty), marker included."""
+    if layout == 'hf':
+        from .gguf_model import convert_gguf
+        convert_gguf(src, out_dir)
+    else:
+        from .turbomind.converter import export
+        if os.path.isdir(src):
+            export(src, out_dir, dtype)
+        else:  # a GGUF: through its HF layout, from which TurboMind takes the 4- and 8-bit matmuls as they are
+            staging = os.path.join(out_dir, '.gguf')
+            _write(src, staging, 'hf', dtype)
+            export(staging, out_dir, dtype)
+            shutil.rmtree(staging)
+    with open(os.path.join(out_dir, CONVERSION_MARKER), 'w', encoding='utf-8') as f:
+        json.dump({**conversion_info(src), 'layout': layout}, f, indent=2)
+
+
+def write_conversion(src: str, out_dir: str, keep_existing: bool = False, layout: str = 'hf',
+                     dtype: str = 'auto') -> str:
     """Convert into a hidden temp sibling of ``out_dir``, then rename it into place.
 
     An interrupted run leaves no directory under the final name. An existing
     ``out_dir`` is replaced, unless ``keep_existing`` and it already holds a
     finished conversion (another process won the race).
     """
-    from .gguf_model import convert_gguf
     out_dir = os.path.abspath(out_dir)
     parent, name = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
     trash = None
     try:
-        convert_gguf(gguf_path, tmp)
-        with open(os.path.join(tmp, CONVERSION_MARKER), 'w', encoding='utf-8') as f:
-            json.dump(conversion_info(gguf_path), f, indent=2)
+        _write(src, tmp, layout, dtype)
         if os.path.isdir(out_dir):
             if keep_existing and os.path.isfile(os.path.join(out_dir, CONVERSION_MARKER)):
                 return out_dir
@@ -56,36 +74,53 @@ def write_conversion(gguf_path: str, out_dir: str, keep_existing: bool = False) 
     return out_dir
 
 
-def _write_into(gguf_path: str, out_dir: str) -> None:
+def _write_into(src: str, out_dir: str, layout: str, dtype: str) -> None:
     """overwrite=True into a directory that is not ours: replace only what a conversion owns."""
     tmp = tempfile.mkdtemp(prefix='.lmd-convert-tmp-', dir=out_dir)
     try:
-        write_conversion(gguf_path, os.path.join(tmp, 'out'))
+        built = write_conversion(src, os.path.join(tmp, 'out'), layout=layout, dtype=dtype)
         for f in os.listdir(out_dir):
             p = os.path.join(out_dir, f)
             if f.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(p):
                 os.remove(p)
-        for f in _OUTPUT_FILES:
-            os.replace(os.path.join(tmp, 'out', f), os.path.join(out_dir, f))
+        for f in os.listdir(built):
+            dst = os.path.join(out_dir, f)
+            if os.path.isdir(dst) and not os.path.islink(dst):
+                shutil.rmtree(dst)
+            os.replace(os.path.join(built, f), dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert(model: str, out_dir: str, overwrite: bool = False) -> str:
-    """Convert the GGUF ``model`` (a path, or 'smollm2') into ``out_dir``; returns its absolute path."""
+def convert(model: str, out_dir: str, overwrite: bool = False, backend: str | None = None,
+            dtype: str = 'auto') -> str:
+    """Convert ``model`` into ``out_dir``; returns its absolute path.
+
+    ``backend`` None or 'pytorch': a GGUF file (a path, or 'smollm2') as an HF-style directory.
+    'turbomind': a GGUF file, or an HF directory (float, AWQ, W8A8), in TurboMind's layout, with
+    its tensors in ``dtype`` ('auto': the checkpoint's).
+    """
+    if backend not in LAYOUTS:
+        raise ValueError(f"--backend {backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
+    layout = LAYOUTS[backend]
+    if layout == 'hf' and dtype != 'auto':
+        raise ValueError('--dtype applies to --backend turbomind; the HF-style output is float32')
+    if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise ValueError(f"--dtype {dtype!r} is invalid: allowed values are 'auto', 'float32', 'bfloat16', 'float16'")
     src = resolve_model_path(model)
-    if not os.path.isfile(src):
-        raise ModelFormatError(f'{src} is a directory; lmd convert takes a .gguf file')
+    if layout == 'hf' and not os.path.isfile(src):
+        raise ModelFormatError(f'{src} is a directory; lmd convert takes a .gguf file '
+                               '(with --backend turbomind, also a model directory)')
     out = os.path.abspath(os.path.expanduser(out_dir))
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputDirNotEmptyError(f'{out} exists and is not a directory')
     if os.path.isdir(out) and os.listdir(out):
         if os.path.isfile(os.path.join(out, CONVERSION_MARKER)):
-            return write_conversion(src, out)
+            return write_conversion(src, out, layout=layout, dtype=dtype)
         if not overwrite:
             raise OutputDirNotEmptyError(
                 f'{out} is not empty and is not an earlier lmd conversion; '
                 'pick another directory or pass overwrite=True (--overwrite)')
-        _write_into(src, out)
+        _write_into(src, out, layout, dtype)
         return out
-    return write_conversion(src, out)
+    return write_conversion(src, out, layout=layout, dtype=dtype)

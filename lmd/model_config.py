@@ -16,6 +16,10 @@ SUPPORTED_ARCHITECTURES = {
     'Qwen3ForCausalLM': 'qwen3',
 }
 
+# config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's names);
+# the layouts are described in lmd/turbomind/quant.py.
+QUANT_METHODS = {'awq': 'awq', 'smooth_quant': 'w8a8'}
+
 
 class ModelConfigError(ModelFormatError):
     """config.json is missing, malformed or names an architecture lmd does not run."""
@@ -45,6 +49,11 @@ class ModelConfig:
     quantization_config: dict | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def model_format(self) -> str:
+        """The weight format config.json declares: 'awq', 'w8a8' (quantization_config), or 'hf' (float)."""
+        return QUANT_METHODS[self.quantization_config['quant_method']] if self.quantization_config else 'hf'
+
     @staticmethod
     def from_dict(cfg: dict[str, Any], where: str = 'config.json') -> 'ModelConfig':
         archs = cfg.get('architectures') or []
@@ -54,6 +63,12 @@ class ModelConfig:
                 f'{where}: architecture {archs or cfg.get("model_type")!r} is not supported; '
                 f'lmd runs {", ".join(SUPPORTED_ARCHITECTURES)}')
         family = SUPPORTED_ARCHITECTURES[arch]
+        quant = cfg.get('quantization_config')
+        if quant is not None and (not isinstance(quant, dict) or quant.get('quant_method') not in QUANT_METHODS):
+            method = quant.get('quant_method') if isinstance(quant, dict) else quant
+            raise ModelConfigError(
+                f'{where}: quantization_config.quant_method {method!r} is not supported; lmd reads '
+                "'awq' (W4A16) and 'smooth_quant' (W8A8) checkpoints")
         try:
             hidden = int(cfg['hidden_size'])
             num_heads = int(cfg['num_attention_heads'])

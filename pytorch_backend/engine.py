@@ -10,6 +10,7 @@ request at once) sits behind ``_lock``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
                         SamplingParams)
+from lmd.errors import ModelFormatError
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
+from lmd.model_path import TURBOMIND_CONFIG
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, num_cache_blocks_for
@@ -58,6 +61,19 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[model_config.torch_dtype if dtype == 'auto' else dtype]
 
 
+def _check_model_format(model_dir: str, mc: ModelConfig, model_format: str | None) -> None:
+    """The PyTorch engine runs float HF checkpoints (GGUF conversions included); others are refused."""
+    if os.path.isfile(os.path.join(model_dir, TURBOMIND_CONFIG)):
+        raise ModelFormatError(f'{model_dir} is in TurboMind\'s own layout (lmd convert --backend turbomind); '
+                               'the PyTorch engine reads HF checkpoints: use TurbomindEngineConfig, or convert '
+                               'without --backend turbomind')
+    fmt = mc.model_format if mc.model_format != 'hf' else model_format
+    if fmt in ('awq', 'w8a8'):
+        raise ModelFormatError(f'{model_dir}: {fmt} checkpoints do not run on the PyTorch engine yet '
+                               '(config.json quantization_config or model_format says so); use the TurboMind '
+                               'engine (TurbomindEngineConfig)')
+
+
 class PytorchEngine(Engine):
 
     def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
@@ -79,6 +95,7 @@ class PytorchEngine(Engine):
             torch.set_num_threads(cfg.num_threads)
         self.config = cfg
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        _check_model_format(model_dir, mc, cfg.model_format)
         self.dtype = resolve_dtype(cfg.dtype, mc)
         self.device = device
 

@@ -160,7 +160,7 @@ def test_smollm2_gguf_runs_at_4_bits_without_loss(smollm2_dir):
     assert len(w4a16) == 7 * config.num_layers  # every matmul of every layer
     for name, parts in w4a16.items():
         assert torch.equal(dequantize_w4a16(*parts), weights[name]), name
-    model = TurbomindModel(config, weights, torch.float32, 32, 16, w4a16=w4a16)
+    model = TurbomindModel(config, weights, torch.float32, 32, 16, quantized=w4a16)
     assert model.num_w4a16 == 4 * config.num_layers  # qkv, o, gate_up, down
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokens = [t + 100 for t in random_tokens(40, seed=9)]

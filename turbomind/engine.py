@@ -16,18 +16,27 @@ import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
                         SessionTable)
+from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 
 from . import _turbomind
+from .converter import load_fused
 from .model import TurbomindModel
-from .quant import gguf_head_w8a16_for, gguf_w4a16_for
 
 logger = logging.getLogger('lmd.turbomind')
 
 DEFAULT_MAX_SESSION_LEN = 8192
 # On a CPU, "free memory" is the host's RAM: cap what cache_max_entry_count may take of it.
 MAX_CPU_CACHE_BYTES = 4 << 30
+
+
+def kv_row_bytes(head_dim: int, dtype: torch.dtype, quant_policy: int) -> int:
+    """Bytes of one token's K (or V) for one KV head: the model dtype, or int8 / int4 codes
+    and a float32 (scale, zero) pair under quant_policy 8 / 4."""
+    if quant_policy:
+        return head_dim * quant_policy // 8 + 8
+    return head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _sampling_dict(sp: SamplingParams) -> dict:
@@ -39,9 +48,10 @@ def _sampling_dict(sp: SamplingParams) -> dict:
 
 
 class TurbomindEngine(Engine):
+    """``model_dir``: an HF directory (float, AWQ or W8A8 checkpoint, GGUF conversion) or one in
+    TurboMind's own layout; ``config.model_format`` None reads each as it is (``converter.py``)."""
 
     def __init__(self, model_dir: str, config: TurbomindEngineConfig | None = None):
-        from lmd.model_loader import load_weights
         from lmd.pytorch_backend.engine import resolve_dtype
         from lmd.pytorch_backend.model_runner import available_memory_bytes
 
@@ -51,12 +61,6 @@ class TurbomindEngine(Engine):
         if cfg.device != 'cpu':
             raise ValueError(f"TurbomindEngineConfig.device={cfg.device!r} is invalid: this build of TurboMind has "
                              "CPU kernels only; use device='cpu'")
-        if cfg.quant_policy != 0:
-            raise ValueError(f'TurbomindEngineConfig.quant_policy={cfg.quant_policy} is invalid: the quantized KV '
-                             'cache has not landed in TurboMind yet; use quant_policy=0')
-        if cfg.model_format not in (None, 'hf', 'gguf'):
-            raise ValueError(f'TurbomindEngineConfig.model_format={cfg.model_format!r} is not supported by TurboMind '
-                             "yet; use 'hf', or 'gguf' (a .gguf file: its Q4_0/Q4_1 matmuls run in 4 bits)")
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         _turbomind.ops.set_num_threads(torch.get_num_threads())
@@ -66,8 +70,8 @@ class TurbomindEngine(Engine):
 
         block_size = cfg.cache_block_seq_len
         session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+        per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * kv_row_bytes(mc.head_dim, self.dtype,
+                                                                                    cfg.quant_policy)
         if cfg.num_cache_blocks is not None:
             num_blocks = cfg.num_cache_blocks
         else:
@@ -79,12 +83,14 @@ class TurbomindEngine(Engine):
             session_len = num_blocks * block_size
         self.session_len = session_len
 
-        # a GGUF model keeps its 4-bit matmuls (bit-exact W4A16) unless model_format='hf' asks for float
-        # (and a Q8_0 lm_head runs in 8 bits)
-        keep_quantized = cfg.model_format != 'hf'
-        self.model = TurbomindModel(mc, load_weights(model_dir, self.dtype), self.dtype, num_blocks, block_size,
-                                    w4a16=gguf_w4a16_for(model_dir) if keep_quantized else None,
-                                    head_w8a16=gguf_head_w8a16_for(model_dir) if keep_quantized else None)
+        # float, GGUF (its 4-bit matmuls and Q8_0 head as they are), AWQ, W8A8, or TurboMind's own layout
+        tensors, self.model_format = load_fused(model_dir, mc, self.dtype, cfg.model_format)
+        try:
+            self.model = TurbomindModel.from_fused(mc, tensors, self.dtype, num_blocks, block_size,
+                                                   cfg.quant_policy)
+        except ValueError as e:  # a tensor the C++ model cannot take
+            raise ModelFormatError(f'{model_dir}: {e}') from None
+        del tensors
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)

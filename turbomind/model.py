@@ -1,14 +1,18 @@
 """The C++ model (``_turbomind.LlamaModel``) built from HF-named weights.
 
 Weights are fused as TurboMind's kernels want them (q/k/v into one ``qkv``, gate/up
-into one ``gate_up``) and handed to C++ as DLPack views; this object keeps the torch
-tensors alive for as long as the C++ model reads them. The KV cache lives in C++.
+into one ``gate_up``; quantized matmuls as ``<name>.qweight/.scales[/.mins]``, see
+``quant.py``) and handed to C++ as DLPack views; this object keeps the torch tensors
+alive for as long as the C++ model reads them. The KV cache lives in C++. A directory
+``lmd convert --backend turbomind`` wrote holds the fused tensors already
+(``converter.py``; ``TurbomindModel.from_fused``).
 """
 from __future__ import annotations
 
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 from lmd.pytorch_backend.models.llama import check_weights
 from lmd.pytorch_backend.models.rope import build_cos_sin_cache
@@ -18,87 +22,161 @@ from . import _turbomind
 DTYPE_NAMES = {torch.float32: 'float32', torch.bfloat16: 'bfloat16', torch.float16: 'float16'}
 
 
-W4A16_GROUP_SIZE = 32  # the group of GGUF Q4_0 / Q4_1, the one W4A16 source wired in so far
-W8A16_GROUP_SIZE = 32  # the group of GGUF Q8_0
+MATMUL_SUFFIXES = ('.qkv', '.o', '.gate_up', '.down')
+SMALL_TENSOR_BYTES = 16 << 20
+
+
+def _quant_format(parts: tuple[torch.Tensor, ...]) -> str:
+    """The format of a matmul weight in a TurboMind quantized layout (``quant.py``)."""
+    if len(parts) == 3:
+        return 'w4a16'
+    return 'w8a8' if parts[1].dim() == 1 else 'w8a16'
+
+
+def _dense_shape(parts: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """[N, K] of the weight a quantized tuple stands for."""
+    n, cols = parts[0].shape
+    return n, cols * 2 if len(parts) == 3 else cols
 
 
 def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 w4a16: dict[str, tuple] | None = None,
-                 head_w8a16: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 quantized: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
     """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...).
 
-    ``w4a16``: HF weight name -> (qweight, scales, mins) (``quant.read_gguf_w4a16``); a fused
-    matmul whose parts are all there runs in W4A16 (``<name>.qweight`` ...), else in float.
-    ``head_w8a16``: (qweight int8, scales) of the lm_head (``quant.gguf_head_w8a16_for``); the
-    embedding lookup keeps the float rows.
+    ``quantized``: HF weight name (``...q_proj.weight``, ``lm_head.weight``) -> its weight in a
+    TurboMind layout (``quant.py``): (qweight, scales, mins) W4A16, (qweight int8, scales [N, K/G])
+    W8A16 or (qweight int8, scales [N]) W8A8. A fused matmul whose parts are all quantized alike
+    runs so (``<name>.qweight``, ``.scales``, ``.mins``; bias float32); else in float from
+    ``weights`` (a GGUF conversion has both). The embedding lookup always reads the float rows.
     """
-    check_weights(config, weights)
-    w4a16 = w4a16 or {}
+    quantized = quantized or {}
+    # quantized-only weights (AWQ, W8A8) are checked by the shape they stand for
+    check_weights(config, {**weights, **{n: torch.empty(_dense_shape(q), device='meta')
+                                         for n, q in quantized.items() if n not in weights}})
 
     def get(name: str) -> torch.Tensor | None:
         t = weights.get(name)
         return None if t is None else t.to(dtype).contiguous()
 
-    def cat(names: list[str]) -> torch.Tensor | None:
+    def cat(names: list[str], dt: torch.dtype = dtype) -> torch.Tensor | None:
         if names[0] not in weights:
             return None
-        return torch.cat([weights[n].to(dtype) for n in names], dim=0).contiguous()
+        return torch.cat([weights[n].to(dt) for n in names], dim=0).contiguous()
 
-    def linear(name: str, parts: list[str]) -> None:
-        if all(p in w4a16 for p in parts):
-            for i, field in enumerate(('qweight', 'scales', 'mins')):
-                out[f'{name}.{field}'] = torch.cat([w4a16[p][i] for p in parts], dim=0).contiguous()
+    def linear(name: str, parts: list[str], bias_parts: list[str]) -> None:
+        qs = [quantized.get(p) for p in parts]
+        if all(q is not None for q in qs) and len({(_quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
+            for i, field in enumerate(('qweight', 'scales', 'mins')[:len(qs[0])]):
+                out[f'{name}.{field}'] = torch.cat([q[i] for q in qs], dim=0).contiguous()
+            out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
+        elif all(p in weights for p in parts):
+            out[name], out[name + '_bias'] = cat(parts), cat(bias_parts)
         else:
-            out[name] = cat(parts)
+            raise ModelFormatError(f'{config.architecture}: {", ".join(parts)} mix quantized formats or group '
+                                   f'sizes without float weights to fall back on; TurboMind fuses them into {name}')
 
     out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
            'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
-    if head_w8a16 is not None:
-        out['lm_head.qweight'], out['lm_head.scales'] = (t.contiguous() for t in head_w8a16)
+    if 'lm_head.weight' in quantized:
+        linear('lm_head', ['lm_head.weight'], ['lm_head.bias'])
     else:
         out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
     for n in range(config.num_layers):
         p, q = f'model.layers.{n}.', f'layers.{n}.'
         attn, mlp = p + 'self_attn.', p + 'mlp.'
         out[q + 'input_norm'] = get(p + 'input_layernorm.weight')
-        linear(q + 'qkv', [attn + f'{x}_proj.weight' for x in 'qkv'])
-        out[q + 'qkv_bias'] = cat([attn + f'{x}_proj.bias' for x in 'qkv'])
+        linear(q + 'qkv', [attn + f'{x}_proj.weight' for x in 'qkv'], [attn + f'{x}_proj.bias' for x in 'qkv'])
         out[q + 'q_norm'] = get(attn + 'q_norm.weight')
         out[q + 'k_norm'] = get(attn + 'k_norm.weight')
-        linear(q + 'o', [attn + 'o_proj.weight'])
-        out[q + 'o_bias'] = get(attn + 'o_proj.bias')
+        linear(q + 'o', [attn + 'o_proj.weight'], [attn + 'o_proj.bias'])
         out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
-        linear(q + 'gate_up', [mlp + 'gate_proj.weight', mlp + 'up_proj.weight'])
-        out[q + 'gate_up_bias'] = cat([mlp + 'gate_proj.bias', mlp + 'up_proj.bias'])
-        linear(q + 'down', [mlp + 'down_proj.weight'])
-        out[q + 'down_bias'] = get(mlp + 'down_proj.bias')
-    quantized = {k.rsplit('.', 1)[0] for k in out if k.endswith('.qweight')}
-    for name in quantized:  # the W4A16 kernel takes a float32 bias
-        if out.get(name + '_bias') is not None:
-            out[name + '_bias'] = out[name + '_bias'].float()
+        linear(q + 'gate_up', [mlp + 'gate_proj.weight', mlp + 'up_proj.weight'],
+               [mlp + 'gate_proj.bias', mlp + 'up_proj.bias'])
+        linear(q + 'down', [mlp + 'down_proj.weight'], [mlp + 'down_proj.bias'])
     return {k: v for k, v in out.items() if v is not None}
+
+
+def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16' or 'w8a8' (``fuse_weights``' output)."""
+    names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
+    return {n: 'float' if n + '.qweight' not in tensors else
+            _quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))
+            for n in names}
+
+
+def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every float matmul weight [N, K] of ``fuse_weights``' output -> the panels the C++ GEMM
+    reads, [ceil(N / 16), K, 16] (``ops.pack_linear``; csrc/kernels/cpu/gemm.h), under the same
+    name, in place: each row-major copy is let go as soon as its panels exist; W4A16 ones
+    (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``). A tied
+    lm_head (the ``embed`` tensor itself) becomes the only copy of the embedding: C++ reads its
+    rows out of the panels. The small tensors left (norms, biases) get memory of their own, so
+    that none keeps a memory-mapped checkpoint resident once its weights are packed."""
+    tied = 'lm_head' in tensors and tensors['lm_head'] is tensors.get('embed')
+    if tied:
+        del tensors['embed']
+    w4a16 = [n[:-len('.mins')] for n in tensors if n.endswith('.mins') and tensors[n].dim() == 2]
+    import os; w4a16 = [] if os.environ.get('TMP_GEMM_NO_W4') else w4a16  # TEMP(gemm) A/B switch
+    for base in w4a16:
+        q, s, m = (tensors[f'{base}.{f}'] for f in ('qweight', 'scales', 'mins'))
+        panels = (q.shape[0] + 15) // 16
+        qp = torch.empty(panels, q.shape[1] // 4, 16, dtype=torch.int32)
+        sp, mp = torch.empty(panels, s.shape[1], 16), torch.empty(panels, s.shape[1], 16)
+        _turbomind.ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
+        tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
+    for name in list(tensors):
+        w = tensors[name]
+        if name == 'lm_head' or (name.startswith('layers.') and name.endswith(MATMUL_SUFFIXES)):
+            packed = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=w.dtype)
+            _turbomind.ops.pack_linear(to_dlpack(w), to_dlpack(packed))
+            tensors[name] = packed
+        elif w.dim() < 3 and w.numel() * w.element_size() < SMALL_TENSOR_BYTES:
+            tensors[name] = w.clone()
+    return tensors
 
 
 class TurbomindModel:
     """A Llama-family model in C++; ``forward`` runs one step given per-row cache addressing."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int, w4a16: dict[str, tuple] | None = None,
-                 head_w8a16: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 num_blocks: int, block_size: int, quantized: dict[str, tuple] | None = None,
+                 quant_policy: int = 0):
+        """HF-named ``weights`` (and ``quantized`` ones, see ``fuse_weights``), fused here.
+        ``quant_policy``: 0 keeps the KV cache in ``dtype``; 8 / 4 quantizes it to int8 / int4
+        per token and head (asymmetric, a float32 scale and zero each)."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        self._build(config, fuse_weights(config, weights, dtype, quantized), dtype, num_blocks, block_size,
+                    quant_policy)
+
+    @classmethod
+    def from_fused(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                   num_blocks: int, block_size: int, quant_policy: int = 0) -> 'TurbomindModel':
+        """From tensors ``fuse_weights`` made (e.g. read back from a converted directory)."""
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        self = cls.__new__(cls)
+        self._build(config, dict(tensors), dtype, num_blocks, block_size, quant_policy)
+        return self
+
+    def _build(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               num_blocks: int, block_size: int, quant_policy: int = 0) -> None:
         self.config = config
         self.dtype = dtype
         self.block_size = block_size
-        self.tensors = fuse_weights(config, weights, dtype, w4a16, head_w8a16)  # kept: C++ reads their memory
-        self.num_w4a16 = sum(k.endswith('.qweight') and k != 'lm_head.qweight' for k in self.tensors)
+        self.linear_formats = linear_formats(config, tensors)
+        self.tensors = pack_matmuls(tensors)  # kept: C++ reads their memory
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-                   qk_norm=config.qk_norm, w4a16_group_size=W4A16_GROUP_SIZE,
-                   w8a16_group_size=W8A16_GROUP_SIZE)
+                   qk_norm=config.qk_norm)
         handles = {k: _turbomind.ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
-        self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size)
+        self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size, quant_policy)
+
+    @property
+    def num_w4a16(self) -> int:
+        """Matmuls of the layers that run in W4A16."""
+        return sum(f == 'w4a16' for n, f in self.linear_formats.items() if n != 'lm_head')
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:

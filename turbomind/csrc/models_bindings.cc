@@ -8,6 +8,7 @@
 
 #include "core/py_tensor.h"
 #include "engine/engine.h"
+#include "kernels/cpu/quant.h"
 #include "models/llama.h"
 
 namespace turbomind {
@@ -33,7 +34,7 @@ int64_t get_int(const py::dict & d, const char * key) {
 }
 
 PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const std::string & dtype_name_,
-                          int64_t num_blocks, int64_t block_size) {
+                          int64_t num_blocks, int64_t block_size, int quant_policy) {
     LlamaConfig c;
     c.hidden_size = get_int(cfg, "hidden_size");
     c.intermediate_size = get_int(cfg, "intermediate_size");
@@ -72,13 +73,19 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         result->owners.append(obj);
         return v;
     };
-    // a matmul's weights: "<name>" (float [N, K]) or "<name>.qweight/.scales/.mins" (W4A16,
-    // group size from the config's w4a16_group_size); "<name>_bias" optional
-    const int64_t G = cfg.contains("w4a16_group_size") ? cfg["w4a16_group_size"].cast<int64_t>() : 0;
-    const int64_t G8 = cfg.contains("w8a16_group_size") ? cfg["w8a16_group_size"].cast<int64_t>() : 0;
+    // a float matmul weight packed in panels, [ceil(N / 16), K, 16] (kernels/cpu/gemm.h)
+    auto is_packed = [&](const std::string & name) {
+        return tensors.contains(name) && !tensors[py::str(name)].is_none() &&
+               view_of(tensors[py::str(name)], name.c_str()).ndim == 3;
+    };
+    // a matmul's weights: "<name>" (float [N, K], or packed) or "<name>.qweight/.scales[/.mins]":
+    // W4A16 (mins there; or in panels, kernels/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or
+    // W8A8 (int8, scales [N]), with the group size G = K / scales.size(1) a multiple of 32;
+    // "<name>_bias" optional
     auto linear = [&](const std::string & name, int64_t N, int64_t K) {
         LinearWeights lw;
         auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
+            if (!tensors.contains(n)) fail("LlamaModel: missing weight " + n);
             py::object obj = tensors[py::str(n)];
             TensorView v = view_of(obj, n.c_str());
             bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
@@ -88,19 +95,35 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
             result->owners.append(obj);
             return v;
         };
-        const bool w8 = tensors.contains(name + ".qweight") && !tensors.contains(name + ".mins");
         if (tensors.contains(name + ".qweight")) {
-            const int64_t g = w8 ? G8 : G;
-            if (g < 32 || g % 32 || K % g) fail("LlamaModel: " + name + " is quantized but its group size " + std::to_string(g) + " does not fit K = " + std::to_string(K));
-            if (w8) {
+            const std::string sn = name + ".scales";
+            if (!tensors.contains(sn)) fail("LlamaModel: missing weight " + sn);
+            const TensorView s = view_of(tensors[py::str(sn)], sn.c_str());
+            const bool w4 = tensors.contains(name + ".mins");
+            if (!w4 && s.ndim == 1) {  // W8A8
+                if (K > cpu::kW8A8MaxK) fail("LlamaModel: " + name + " has K = " + std::to_string(K) + ", more than W8A8 takes");
                 lw.qweight = raw(name + ".qweight", DType::i8, {N, K});
+                lw.scales = raw(sn, DType::f32, {N});
             } else {
-                lw.qweight = raw(name + ".qweight", DType::u8, {N, K / 2});
-                lw.mins = raw(name + ".mins", DType::f32, {N, K / g});
+                const int64_t groups = s.ndim >= 2 ? s.size(1) : 0;
+                const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
+                if (g < 32 || g % 32) fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) + " needs groups of a multiple of 32");
+                if (w4 && s.ndim == 3) {  // W4A16 in panels
+                    const int64_t P = (N + 15) / 16;
+                    lw.qweight = raw(name + ".qweight", DType::i32, {P, K / 8, 16});
+                    lw.mins = raw(name + ".mins", DType::f32, {P, groups, 16});
+                    lw.scales = raw(sn, DType::f32, {P, groups, 16});
+                } else {
+                    lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
+                    if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});
+                    lw.scales = raw(sn, DType::f32, {N, groups});
+                }
+                lw.group_size = g;
             }
-            lw.scales = raw(name + ".scales", DType::f32, {N, K / g});
-            lw.group_size = g;
             if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
+        } else if (is_packed(name)) {
+            lw.packed = take(name, {(N + 15) / 16, K, 16}, true);
+            lw.bias = take(name + "_bias", {N}, false);
         } else {
             lw.weight = take(name, {N, K}, true);
             lw.bias = take(name + "_bias", {N}, false);
@@ -108,7 +131,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         return lw;
     };
     LlamaWeights w;
-    w.embed = take("embed", {c.vocab_size, H}, true);
+    w.embed = take("embed", {c.vocab_size, H}, !is_packed("lm_head"));  // none: tied, rows from lm_head's panels
     w.norm = take("norm", {H}, true);
     w.lm_head = linear("lm_head", c.vocab_size, H);
     {
@@ -131,7 +154,11 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         lw.down = linear(p + "down", H, I);
         w.layers.push_back(lw);
     }
-    result->model = std::make_shared<LlamaModel>(c, std::move(w), dt, num_blocks, block_size);
+    if (quant_policy != 0 && quant_policy != 4 && quant_policy != 8) {
+        fail("LlamaModel: quant_policy = " + std::to_string(quant_policy) + " is not 0 (no KV quantization), "
+             "8 (int8 KV) or 4 (int4 KV)");
+    }
+    result->model = std::make_shared<LlamaModel>(c, std::move(w), dt, num_blocks, block_size, quant_policy);
     return result.release();
 }
 
@@ -238,18 +265,21 @@ void bind_models(py::module_ & m) {
     py::class_<PyLlamaModel>(m, "LlamaModel",
                              "A Llama-family model (Llama, Mistral, Qwen2, Qwen3) and its paged KV cache, in C++.")
         .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
-             py::arg("block_size"),
+             py::arg("block_size"), py::arg("quant_policy") = 0,
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
-             "rms_norm_eps, qk_norm, w4a16_group_size. tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "rms_norm_eps, qk_norm. tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
-             "gate_up, gate_up_bias, down, down_bias}); a matmul may come as <name>.qweight/.scales/.mins (W4A16).")
+             "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
+             "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant); without embed, the embedding is the "
+             "packed lm_head (tied).")
         .def("forward", &forward, py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
              py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),
              "Run one step: every row's K/V into its slot, attention over row_lens[t] tokens of row_tables[t]; "
              "logits[R, vocab] (float32) for logit_rows.")
         .def_property_readonly("num_blocks", [](const PyLlamaModel & s) { return s.model->num_blocks(); })
         .def_property_readonly("block_size", [](const PyLlamaModel & s) { return s.model->block_size(); })
-        .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); });
+        .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); })
+        .def_property_readonly("quant_policy", [](const PyLlamaModel & s) { return s.model->quant_policy(); });
 
     py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
         .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,

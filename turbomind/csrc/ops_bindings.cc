@@ -95,16 +95,46 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
     cpu::linear(x, w, has_bias ? &bias : nullptr, y, reference);
 }
 
+// The caches of a float model (dtype = the model's) or, with k_params/v_params given, a
+// quantized one (uint8 rows of D codes, 8 bits, or D / 2 bytes, 4 bits): checked, and the
+// KVQuant the kernels take.
+bool check_kv_cache(const TensorView & kc, const TensorView & vc, py::handle kp_h, py::handle vp_h, DType dtype,
+                    int64_t num_kv_heads, int64_t D, cpu::KVQuant & kvq) {
+    const bool quantized = !kp_h.is_none() || !vp_h.is_none();
+    if (!quantized) {
+        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == dtype && kc.size(2) == num_kv_heads && kc.size(3) == D,
+               "k_cache", kc, "must be a contiguous [num_blocks, block_size, " + std::to_string(num_kv_heads) + ", " +
+               std::to_string(D) + "] tensor of " + dtype_name(dtype));
+    } else {
+        if (kp_h.is_none() || vp_h.is_none()) fail("k_params and v_params: give both (a quantized cache) or neither");
+        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == DType::u8 && kc.size(2) == num_kv_heads &&
+               (kc.size(3) == D || (D % 2 == 0 && kc.size(3) == D / 2)), "k_cache", kc,
+               "a quantized cache must be a contiguous uint8 [num_blocks, block_size, " + std::to_string(num_kv_heads) +
+               ", D or D / 2] tensor (8 or 4 bits), D = " + std::to_string(D));
+        kvq.bits = kc.size(3) == D ? 8 : 4;
+        kvq.k_params = view_of(kp_h, "k_params");
+        kvq.v_params = view_of(vp_h, "v_params");
+        for (const TensorView * p : {&kvq.k_params, &kvq.v_params}) {
+            expect(p->ndim == 4 && p->contiguous() && p->dtype == DType::f32 && p->size(0) == kc.size(0) &&
+                   p->size(1) == kc.size(1) && p->size(2) == kc.size(2) && p->size(3) == 2,
+                   p == &kvq.k_params ? "k_params" : "v_params", *p,
+                   "must be a contiguous float32 [num_blocks, block_size, Hk, 2] tensor (scale, zero)");
+        }
+    }
+    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype, "v_cache", vc, "must match k_cache");
+    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
+    return quantized;
+}
+
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
-                            float scale, py::handle out_h, bool reference) {
+                            float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h) {
     const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
     const TensorView tables = view_of(tables_h, "block_tables"), lens = view_of(lens_h, "context_lens");
     const TensorView out = view_of(out_h, "out");
     expect(q.ndim == 3 && q.stride(2) == 1 && is_float(q.dtype), "q", q, "must be a float [B, Hq, D] tensor with unit stride in D");
-    expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == q.dtype && kc.size(3) == q.size(2), "k_cache", kc,
-           "must be a contiguous [num_blocks, block_size, Hk, D] tensor with q's dtype and D");
-    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == q.dtype, "v_cache", vc, "must match k_cache");
-    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
+    expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
+    cpu::KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, q.dtype, kc.size(2), q.size(2), kvq);
     expect(q.size(1) % kc.size(2) == 0, "q", q, "heads must be a multiple of the cache's KV heads");
     expect(tables.ndim == 2 && tables.dtype == DType::i32 && tables.stride(1) == 1 && tables.size(0) == q.size(0),
            "block_tables", tables, "must be an int32 [B, max_blocks] tensor");
@@ -129,7 +159,7 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
         }
     }
     py::gil_scoped_release release;
-    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, reference);
+    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference);
 }
 
 void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::handle residual_h, bool reference) {
@@ -152,7 +182,8 @@ void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::h
 }
 
 void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handle k_h, py::handle v_h,
-                  py::handle slots_h, py::handle q_out_h, int64_t num_heads, int64_t num_kv_heads, bool reference) {
+                  py::handle slots_h, py::handle q_out_h, int64_t num_heads, int64_t num_kv_heads, bool reference,
+                  py::handle kp_h, py::handle vp_h) {
     const TensorView qkv = view_of(qkv_h, "qkv"), pos = view_of(pos_h, "positions"), cs = view_of(cs_h, "cos_sin");
     const TensorView kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache"), slots = view_of(slots_h, "slots");
     const TensorView q_out = view_of(q_out_h, "q_out");
@@ -168,10 +199,9 @@ void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handl
            "must be an int64 [T] tensor");
     expect(cs.ndim == 2 && cs.stride(1) == 1 && cs.size(1) % 2 == 0 && cs.size(1) <= D && cs.dtype == qkv.dtype,
            "cos_sin", cs, "must be [max_position, rot] with even rot <= head_dim and qkv's dtype");
-    expect(kc.ndim == 4 && kc.contiguous() && kc.size(2) == num_kv_heads && kc.size(3) == D && kc.dtype == qkv.dtype,
-           "k_cache", kc, "must be a contiguous [num_blocks, block_size, Hk, D] tensor with qkv's dtype");
-    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype, "v_cache", vc, "must match k_cache");
-    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
+    expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
+    cpu::KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq);
     const int64_t num_slots = kc.size(0) * kc.size(1), max_pos = cs.size(0);
     for (int64_t t = 0; t < T; ++t) {
         const int64_t p = pos.ptr<int64_t>()[t], s = slots.ptr<int64_t>()[t];
@@ -179,7 +209,8 @@ void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handl
         if (s < 0 || s >= num_slots) fail("slots[" + std::to_string(t) + "] = " + std::to_string(s) + " is not a slot of the cache (0.." + std::to_string(num_slots - 1) + ")");
     }
     py::gil_scoped_release release;
-    cpu::rope_fill_kv(qkv, pos, cs, kc, vc, slots, q_out, num_heads, num_kv_heads, reference);
+    cpu::rope_fill_kv(qkv, pos, cs, kc, vc, slots, q_out, num_heads, num_kv_heads, quantized ? &kvq : nullptr,
+                      reference);
 }
 
 void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
@@ -195,6 +226,7 @@ void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
 }  // namespace
 
 void bind_quant(py::module_ & ops);  // quant_bindings.cc
+void bind_gemm(py::module_ & ops);   // gemm_bindings.cc
 
 void bind_ops(py::module_ & m) {
     py::module_ ops = m.def_submodule("ops", "TurboMind's CPU kernels on DLPack tensors");
@@ -213,21 +245,26 @@ void bind_ops(py::module_ & m) {
             py::arg("reference") = false, "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]), accumulated in float32.");
     ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
             py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
-            py::arg("reference") = false,
-            "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens.");
+            py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
+            "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens. With k_params and "
+            "v_params (float32 [num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 "
+            "[..., D] (8 bits) or [..., D / 2] (4 bits).");
     ops.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
             py::arg("residual") = py::none(), py::arg("reference") = false,
             "out = rms_norm(x) * weight; with residual: residual += x first, and the sum is normalised.");
     ops.def("rope_fill_kv", &rope_fill_kv, py::arg("qkv"), py::arg("positions"), py::arg("cos_sin"),
             py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("q_out"), py::arg("num_heads"),
-            py::arg("num_kv_heads"), py::arg("reference") = false,
-            "Rotate q (into q_out) and k (into the cache at slots) of a fused qkv; copy v into the cache.");
+            py::arg("num_kv_heads"), py::arg("reference") = false, py::arg("k_params") = py::none(),
+            py::arg("v_params") = py::none(),
+            "Rotate q (into q_out) and k (into the cache at slots) of a fused qkv; copy v into the cache. With "
+            "k_params and v_params, k and v are quantized into the cache (see paged_decode_attention).");
     ops.def("silu_and_mul", &silu_and_mul, py::arg("x"), py::arg("out"), py::arg("reference") = false,
             "out[T, I] = silu(x[:, :I]) * x[:, I:].");
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
     bind_quant(ops);
+    bind_gemm(ops);
 }
 
 }  // namespace turbomind

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/quant.h"
 
@@ -39,10 +40,16 @@ struct Buffer {
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 
 void apply(const TensorView & x, const LinearWeights & w, const TensorView & y) {
-    if (w.quantized() && w.qweight.dtype == DType::i8) {
+    if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
+        cpu::linear_w8a8(x, w.qweight, w.scales, opt(w.bias), y);
+    } else if (w.quantized() && w.qweight.dtype == DType::i8) {
         cpu::linear_w8a16(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
+    } else if (w.quantized() && w.qweight.ndim == 3) {
+        cpu::linear_w4a16_packed(x, w.qweight, w.scales, w.mins, opt(w.bias), y);
     } else if (w.quantized()) {
         cpu::linear_w4a16(x, w.qweight, w.scales, w.mins, opt(w.bias), y, w.group_size);
+    } else if (w.packed.data) {
+        cpu::linear_packed(x, w.packed, opt(w.bias), y);
     } else {
         cpu::linear(x, w.weight, opt(w.bias), y);
     }
@@ -51,24 +58,39 @@ void apply(const TensorView & x, const LinearWeights & w, const TensorView & y) 
 }  // namespace
 
 LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType dtype, int64_t num_blocks,
-                       int64_t block_size)
-    : config_(config), weights_(std::move(weights)), dtype_(dtype), num_blocks_(num_blocks), block_size_(block_size) {
+                       int64_t block_size, int quant_policy)
+    : config_(config), weights_(std::move(weights)), dtype_(dtype), num_blocks_(num_blocks), block_size_(block_size),
+      quant_policy_(quant_policy) {
+    if (quant_policy != 0 && quant_policy != 4 && quant_policy != 8) {
+        throw std::invalid_argument("LlamaModel: quant_policy " + std::to_string(quant_policy) + " is not 0, 4 or 8");
+    }
+    if (quant_policy == 4 && config_.head_dim % 2) {
+        throw std::invalid_argument("LlamaModel: quant_policy 4 needs an even head_dim");
+    }
     if (static_cast<int64_t>(weights_.layers.size()) != config_.num_layers) {
         throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
                                     std::to_string(config_.num_layers) + " layers");
     }
-    const size_t per_layer = static_cast<size_t>(num_blocks * block_size * config_.num_kv_heads * config_.head_dim) *
-                             dtype_size(dtype_);
+    const size_t rows = static_cast<size_t>(num_blocks * block_size * config_.num_kv_heads);
     for (int64_t l = 0; l < config_.num_layers; ++l) {
         // new T[] without () leaves the pages untouched until a block is first written
-        k_cache_.emplace_back(new uint8_t[per_layer]);
-        v_cache_.emplace_back(new uint8_t[per_layer]);
+        k_cache_.emplace_back(new uint8_t[rows * row_bytes()]);
+        v_cache_.emplace_back(new uint8_t[rows * row_bytes()]);
+        if (quant_policy_) {
+            k_params_.emplace_back(new float[rows * 2]);
+            v_params_.emplace_back(new float[rows * 2]);
+        }
     }
 }
 
+int64_t LlamaModel::row_bytes() const {
+    const int64_t D = config_.head_dim;
+    return quant_policy_ ? D * quant_policy_ / 8 : D * static_cast<int64_t>(dtype_size(dtype_));
+}
+
 int64_t LlamaModel::kv_bytes() const {
-    return 2 * config_.num_layers * num_blocks_ * block_size_ * config_.num_kv_heads * config_.head_dim *
-           static_cast<int64_t>(dtype_size(dtype_));
+    const int64_t per_row = row_bytes() + (quant_policy_ ? 2 * sizeof(float) : 0);
+    return 2 * config_.num_layers * num_blocks_ * block_size_ * config_.num_kv_heads * per_row;
 }
 
 void LlamaModel::forward(const StepInputs & in, float * logits) {
@@ -97,16 +119,30 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
     TensorView tables = view(const_cast<int32_t *>(in.row_tables), DType::i32, {T, in.max_blocks});
     TensorView lens = view(const_cast<int32_t *>(in.row_lens), DType::i32, {T});
 
-    // embedding rows
+    // embedding rows (a tied embedding is read out of the packed lm_head's panels)
     const auto * embed = static_cast<const uint8_t *>(weights_.embed.data);
     for (int64_t t = 0; t < T; ++t) {
-        std::memcpy(static_cast<uint8_t *>(residual.data) + t * H * es, embed + in.token_ids[t] * H * es, H * es);
+        void * row = static_cast<uint8_t *>(residual.data) + t * H * es;
+        if (embed) {
+            std::memcpy(row, embed + in.token_ids[t] * H * es, H * es);
+        } else {
+            cpu::packed_row(weights_.lm_head.packed, in.token_ids[t], row);
+        }
     }
     const int64_t cache_shape[4] = {num_blocks_, block_size_, c.num_kv_heads, D};
     for (int64_t l = 0; l < c.num_layers; ++l) {
         const LlamaLayerWeights & w = weights_.layers[l];
-        TensorView kc = view(k_cache_[l].get(), dtype_, {cache_shape[0], cache_shape[1], cache_shape[2], cache_shape[3]});
-        TensorView vc = view(v_cache_[l].get(), dtype_, {cache_shape[0], cache_shape[1], cache_shape[2], cache_shape[3]});
+        const DType cache_dtype = quant_policy_ ? DType::u8 : dtype_;
+        const int64_t row = quant_policy_ ? row_bytes() : D;
+        TensorView kc = view(k_cache_[l].get(), cache_dtype, {cache_shape[0], cache_shape[1], cache_shape[2], row});
+        TensorView vc = view(v_cache_[l].get(), cache_dtype, {cache_shape[0], cache_shape[1], cache_shape[2], row});
+        cpu::KVQuant kvq;
+        if (quant_policy_) {
+            kvq.bits = quant_policy_;
+            kvq.k_params = view(k_params_[l].get(), DType::f32, {cache_shape[0], cache_shape[1], cache_shape[2], 2});
+            kvq.v_params = view(v_params_[l].get(), DType::f32, {cache_shape[0], cache_shape[1], cache_shape[2], 2});
+        }
+        const cpu::KVQuant * kv_quant = quant_policy_ ? &kvq : nullptr;
         if (l == 0) {
             cpu::rms_norm(residual, w.input_norm, eps, x, nullptr);
         } else {
@@ -122,8 +158,8 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
                 cpu::rms_norm(kh, w.k_norm, eps, kh, nullptr);
             }
         }
-        cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads);
-        cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, attn);
+        cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
+        cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, attn, kv_quant);
         apply(attn2d, w.o, delta);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
         apply(x, w.gate_up, gu);

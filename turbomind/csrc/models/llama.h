@@ -26,12 +26,16 @@ struct LlamaConfig {
 // Views of the weights, fused as the kernels want them; the Python side keeps the
 // memory alive for the model's lifetime. Optional tensors have data == nullptr.
 
-// One matmul's weights (layouts in kernels/cpu/quant.h): float [N, K] in the model dtype;
-// W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G]); or W8A16 (qweight int8
-// [N, K], scales float32 [N, K/G]). Bias [N]: the model dtype for float weights, float32
-// for quantized ones; or none.
+// One matmul's weights (layouts in kernels/cpu/quant.h and gemm.h): float [N, K] in the model
+// dtype, or the same packed in panels [ceil(N / 16), K, 16] (`packed`: what turbomind/model.py
+// hands over); W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G], or the same
+// in panels: int32 [P, K/8, 16], float32 [P, K/G, 16]); W8A16
+// (qweight int8 [N, K], scales float32 [N, K/G]); or W8A8 (qweight int8 [N, K], scales
+// float32 [N], activations quantized per token). G is per matmul: K / scales.size(1). Bias
+// [N]: the model dtype for float weights, float32 for quantized ones; or none.
 struct LinearWeights {
     TensorView weight;
+    TensorView packed;
     TensorView qweight, scales, mins;
     int64_t group_size = 0;
     TensorView bias;
@@ -50,7 +54,7 @@ struct LlamaLayerWeights {
 };
 
 struct LlamaWeights {
-    TensorView embed;        // [V, H]
+    TensorView embed;        // [V, H]; none when tied to a packed lm_head (rows come from its panels)
     TensorView norm;         // [H]
     LinearWeights lm_head;   // [V, H] (the embedding when tied and not quantized)
     TensorView cos_sin;      // [max_position, rot] = cat(cos, sin), the model dtype
@@ -72,8 +76,10 @@ struct StepInputs {
 
 class LlamaModel {
 public:
+    // quant_policy: 0 keeps K/V in the model dtype; 8 / 4 quantizes them per token and head
+    // (kernels.h, KVQuant).
     LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType dtype, int64_t num_blocks,
-               int64_t block_size);
+               int64_t block_size, int quant_policy = 0);
 
     // logits: [R, V] float32, written.
     void forward(const StepInputs & in, float * logits);
@@ -82,6 +88,7 @@ public:
     DType dtype() const { return dtype_; }
     int64_t num_blocks() const { return num_blocks_; }
     int64_t block_size() const { return block_size_; }
+    int quant_policy() const { return quant_policy_; }
     int64_t kv_bytes() const;
 
 private:
@@ -90,9 +97,14 @@ private:
     DType dtype_;
     int64_t num_blocks_;
     int64_t block_size_;
-    // per layer K and V: [num_blocks, block_size, Hk, D] in the model dtype, never zeroed:
-    // the kernels read only slots that were written
+    int quant_policy_;
+    // per layer K and V: [num_blocks, block_size, Hk, D] in the model dtype, or uint8
+    // [num_blocks, block_size, Hk, D * bits / 8] codes with float32 (scale, zero) pairs in
+    // k_params_ / v_params_ [num_blocks, block_size, Hk, 2]; never zeroed: the kernels read
+    // only slots that were written
     std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
+    std::vector<std::unique_ptr<float[]>> k_params_, v_params_;
+    int64_t row_bytes() const;  // bytes of one (token, head) row of K or V
 };
 
 }  // namespace turbomind

@@ -73,7 +73,7 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
-                            const TensorView & out, bool reference) {
+                            const TensorView & out, const KVQuant * kv_quant, bool reference) {
     const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
     const int32_t * lens = context_lens.ptr<int32_t>();
@@ -92,12 +92,15 @@ void paged_decode_attention(const TensorView & q, const TensorView & k_cache, co
 #endif
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-            if (vector) {
+            if (vector && kv_quant) {
+                avx2::decode_attention_quant_task(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                                                  *kv_quant, b, h, scratch.data());
+            } else if (vector) {
                 avx2::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, h,
                                             scratch.data());
             } else {
-                ref::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, h,
-                                           scratch.data());
+                ref::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, kv_quant, b,
+                                           h, scratch.data());
             }
         }
     }
@@ -130,10 +133,12 @@ void rms_norm(const TensorView & x, const TensorView & w, float eps, const Tenso
 
 void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
                   const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
-                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, bool reference) {
+                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                  bool reference) {
     // scalar on every CPU: a few hundred elements per token, far from any matmul's cost
     for_rows(qkv.size(0), qkv.size(1), [&](int64_t t) {
-        ref::rope_fill_kv_row(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads, t);
+        ref::rope_fill_kv_row(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads,
+                              kv_quant, t);
     });
 }
 

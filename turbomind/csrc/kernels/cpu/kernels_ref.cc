@@ -1,5 +1,6 @@
 // Scalar reference kernels: the plainest loops that define each kernel's result.
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/kernels.h"
@@ -23,25 +24,32 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, int64_t b, int64_t kv_head, float * scores) {
+                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t kv_head,
+                           float * scores) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
     const int64_t len = context_lens.ptr<int32_t>()[b];
     const int32_t * table = block_tables.ptr<int32_t>() + b * block_tables.stride(0);
-    const DType dt = k_cache.dtype;
-    auto cache_index = [&](int64_t t, int64_t d) {
-        return ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kv_head) * D + d;
+    const int64_t row_elems = k_cache.size(3);  // D, or D * bits / 8 bytes when quantized
+    auto row = [&](int64_t t) {  // (token slot, kv_head) row index of the cache
+        return (table[t / block_size] * block_size + t % block_size) * num_kv_heads + kv_head;
     };
+    auto load = [&](const TensorView & cache, const TensorView * params, int64_t t, int64_t d) {
+        const int64_t r = row(t);
+        if (!params) return load_f32(cache.data, r * row_elems + d, cache.dtype);
+        const float * p = params->ptr<float>() + r * 2;
+        return static_cast<float>(kv_code(cache.ptr<uint8_t>() + r * row_elems, d, kv_quant->bits)) * p[0] + p[1];
+    };
+    const TensorView * kp = kv_quant ? &kv_quant->k_params : nullptr;
+    const TensorView * vp = kv_quant ? &kv_quant->v_params : nullptr;
     for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv_head * group + g;
         const int64_t q_off = b * q.stride(0) + h * q.stride(1);
         float max_s = -INFINITY;
         for (int64_t t = 0; t < len; ++t) {
             float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) {
-                s += load_f32(q.data, q_off + d, q.dtype) * load_f32(k_cache.data, cache_index(t, d), dt);
-            }
+            for (int64_t d = 0; d < D; ++d) s += load_f32(q.data, q_off + d, q.dtype) * load(k_cache, kp, t, d);
             scores[t] = s * scale;
             max_s = std::fmax(max_s, scores[t]);
         }
@@ -53,7 +61,7 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
         const int64_t o_off = b * out.stride(0) + h * out.stride(1);
         for (int64_t d = 0; d < D; ++d) {
             float acc = 0.f;
-            for (int64_t t = 0; t < len; ++t) acc += scores[t] * load_f32(v_cache.data, cache_index(t, d), dt);
+            for (int64_t t = 0; t < len; ++t) acc += scores[t] * load(v_cache, vp, t, d);
             store_f32(out.data, o_off + d, out.dtype, acc / sum);
         }
     }
@@ -98,28 +106,48 @@ void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const T
 
 void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
                       const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
-                      const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, int64_t t) {
+                      const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                      int64_t t) {
     const int64_t D = q_out.size(2), rot = cos_sin.size(1), half = rot / 2;
     const DType dt = qkv.dtype;
     const int64_t pos = positions.ptr<int64_t>()[t];
     const int64_t slot = slots.ptr<int64_t>()[t];
     const int64_t cs = pos * cos_sin.stride(0);
     const int64_t row = t * qkv.stride(0);
-    auto rotate = [&](int64_t src, void * dst, int64_t dst_off) {
+    // head `src` of qkv, rotated, as float32 into f[D]
+    auto rotate = [&](int64_t src, float * f) {
         for (int64_t i = 0; i < half; ++i) {
             const float c = load_f32(cos_sin.data, cs + i, dt), s = load_f32(cos_sin.data, cs + half + i, dt);
             const float x1 = load_f32(qkv.data, src + i, dt), x2 = load_f32(qkv.data, src + half + i, dt);
-            store_f32(dst, dst_off + i, dt, x1 * c - x2 * s);
-            store_f32(dst, dst_off + half + i, dt, x2 * c + x1 * s);
+            f[i] = x1 * c - x2 * s;
+            f[half + i] = x2 * c + x1 * s;
         }
-        for (int64_t i = rot; i < D; ++i) store_f32(dst, dst_off + i, dt, load_f32(qkv.data, src + i, dt));
+        for (int64_t i = rot; i < D; ++i) f[i] = load_f32(qkv.data, src + i, dt);
     };
-    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * D, q_out.data, t * q_out.stride(0) + h * q_out.stride(1));
+    std::vector<float> f(D);
+    for (int64_t h = 0; h < num_heads; ++h) {
+        rotate(row + h * D, f.data());
+        const int64_t dst = t * q_out.stride(0) + h * q_out.stride(1);
+        for (int64_t i = 0; i < D; ++i) store_f32(q_out.data, dst + i, dt, f[i]);
+    }
     const int64_t k0 = row + num_heads * D, v0 = k0 + num_kv_heads * D;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t dst = (slot * num_kv_heads + h) * D;
-        rotate(k0 + h * D, k_cache.data, dst);
-        for (int64_t i = 0; i < D; ++i) store_f32(v_cache.data, dst + i, dt, load_f32(qkv.data, v0 + h * D + i, dt));
+        const int64_t r = slot * num_kv_heads + h;  // the (slot, head) row of the caches
+        for (int pass = 0; pass < 2; ++pass) {      // k, then v
+            if (pass == 0) {
+                rotate(k0 + h * D, f.data());
+            } else {
+                for (int64_t i = 0; i < D; ++i) f[i] = load_f32(qkv.data, v0 + h * D + i, dt);
+            }
+            const TensorView & cache = pass == 0 ? k_cache : v_cache;
+            if (kv_quant) {
+                const TensorView & params = pass == 0 ? kv_quant->k_params : kv_quant->v_params;
+                kv_quantize_row(f.data(), D, kv_quant->bits, cache.ptr<uint8_t>() + r * cache.size(3),
+                                params.ptr<float>() + r * 2);
+            } else {
+                for (int64_t i = 0; i < D; ++i) store_f32(cache.data, r * D + i, dt, f[i]);
+            }
+        }
     }
 }
 
@@ -133,3 +161,30 @@ void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m) {
 }
 
 }  // namespace turbomind::cpu::ref
+
+namespace turbomind::cpu {
+
+void kv_quantize_row(const float * x, int64_t D, int bits, uint8_t * q, float * params) {
+    float lo = x[0], hi = x[0];
+    for (int64_t d = 1; d < D; ++d) {
+        lo = std::fmin(lo, x[d]);
+        hi = std::fmax(hi, x[d]);
+    }
+    const int qmax = (1 << bits) - 1;
+    const float scale = (hi - lo) / static_cast<float>(qmax);
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    if (bits == 4) std::memset(q, 0, D / 2);
+    for (int64_t d = 0; d < D; ++d) {
+        const float c = std::nearbyint((x[d] - lo) * inv);
+        const int code = c < 0.f ? 0 : c > static_cast<float>(qmax) ? qmax : static_cast<int>(c);
+        if (bits == 8) {
+            q[d] = static_cast<uint8_t>(code);
+        } else {
+            q[d >> 1] |= static_cast<uint8_t>(code << ((d & 1) << 2));
+        }
+    }
+    params[0] = scale;
+    params[1] = lo;
+}
+
+}  // namespace turbomind::cpu
