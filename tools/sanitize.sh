@@ -19,4 +19,5 @@ export LMD_TURBOMIND_EXT="$PWD/$ext"
 tests=(tests/test_native_kernels.py tests/test_quant_kernels.py tests/test_kv_quant.py tests/test_turbomind_model.py
        tests/test_turbomind_engine.py tests/test_tm_block_manager.py tests/test_tm_sampler.py)
 [ -f tests/test_gemm_kernels.py ] && tests+=(tests/test_gemm_kernels.py)
-python -m pytest -q -p no:cacheprovider "${tests[@]}" "$@"
+# --capture=sys: a sanitizer report (written to fd 2) reaches the log instead of pytest's capture
+python -m pytest -q -p no:cacheprovider --capture=sys "${tests[@]}" "$@"

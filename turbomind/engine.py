@@ -91,6 +91,10 @@ class TurbomindEngine(Engine):
         except ValueError as e:  # a tensor the C++ model cannot take
             raise ModelFormatError(f'{model_dir}: {e}') from None
         del tensors
+        # torch's OpenMP workers from loading would sit idle beside the engine thread's and make
+        # libgomp stop spinning between kernels (it throttles once it manages more threads than
+        # CPUs): let them go; torch starts them again if it needs them
+        _turbomind.release_openmp_threads()
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)

@@ -3,6 +3,10 @@
 
 #include "cpu_features.h"
 
+#if defined(LMD_WITH_OPENMP)
+#include <omp.h>
+#endif
+
 namespace py = pybind11;
 
 namespace turbomind {
@@ -36,6 +40,15 @@ PYBIND11_MODULE(_turbomind, m) {
         return d;
     }, "The instruction sets the kernels may use on this CPU, and its processor count.");
     m.def("cpu_features_summary", &turbomind::cpu_features_summary);
+    m.def("release_openmp_threads", []() {
+#if defined(LMD_WITH_OPENMP)
+        return omp_pause_resource_all(omp_pause_soft) == 0;
+#else
+        return false;
+#endif
+    }, "Let the calling thread's idle OpenMP workers (torch's, after loading) exit. libgomp spins a worker "
+       "between parallel regions only while it manages no more threads than there are CPUs; with torch's "
+       "pool idle beside the engine thread's, every kernel's workers would sleep and wake instead.");
     turbomind::bind_ops(m);
     turbomind::bind_engine_parts(m);
     turbomind::bind_models(m);

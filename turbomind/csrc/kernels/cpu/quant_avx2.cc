@@ -59,7 +59,7 @@ void prepare_row_t(const XT * x, int64_t K, int64_t G, float * xp, float * xsum)
 inline __m256 chunk_scales(const float * s, int64_t k0, int64_t G, bool half) {
     const int64_t g0 = k0 / G, g1 = (k0 + 32) / G;
     if (half || g0 == g1) return _mm256_broadcast_ss(s + g0);
-    const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(s + g0)));  // g1 = g0 + 1
+    const __m128 pair = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(s + g0)));  // g1 = g0 + 1
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
