@@ -139,6 +139,11 @@ class PytorchEngine(Engine):
         self._closing = False
         self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
 
+        if device.type == 'cpu':
+            # the engine thread gets its own OpenMP team; the loading thread's idle one would make
+            # libgomp stop spinning between kernels (see lmd.turbomind._turbomind.release_openmp_threads)
+            from lmd.turbomind import _turbomind
+            _turbomind.release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name='lmd-pytorch-engine', daemon=True)
         self._thread.start()
 
