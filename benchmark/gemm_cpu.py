@@ -71,8 +71,8 @@ def w4a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
     qweight = quant.pack_int4(torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8))
     scales = torch.rand(N, K // W4A16_GROUP, generator=g) * 0.02 + 0.001
     mins = -8 * scales
-    P = (N + 15) // 16
-    qp, sp = torch.empty(P, K // 8, 16, dtype=torch.int32), torch.empty(P, K // W4A16_GROUP, 16)
+    P = (N + 63) // 64
+    qp, sp = torch.empty(P, K // 8, 64, dtype=torch.int32), torch.empty(P, K // W4A16_GROUP, 64)
     mp = torch.empty_like(sp)
     ops.pack_w4a16(dl(qweight), dl(scales), dl(mins), dl(qp), dl(sp), dl(mp))
     w = quant.dequantize_w4a16(qweight, scales, mins)

@@ -1,8 +1,8 @@
-"""TurboMind's packed float matmul (lmd.turbomind._turbomind.ops.linear_packed, csrc/kernels/cpu/gemm.h):
-the AVX2 GEMM/GEMV against its scalar C++ reference, bit for bit, over a grid of shapes (tile
-and chunk remainders in M, N and K) and weight dtypes; the reference against torch in float64;
-rows independent of the batch and of the thread count; the panel layout and its round trip;
-then the checks on bad arguments."""
+"""TurboMind's packed matmuls (lmd.turbomind._turbomind.ops.linear_packed, linear_w4a16_packed;
+csrc/kernels/cpu/gemm.h): each AVX2 GEMM/GEMV against its scalar C++ reference, bit for bit, over
+a grid of shapes (tile, chunk and row-block remainders in M, N and K) and dtypes; the reference
+against torch in float64; rows independent of the batch and of the thread count; the panel
+layouts and their round trips; then the checks on bad arguments."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack as dl
 
-from lmd.turbomind import _turbomind
+from lmd.turbomind import _turbomind, quant
 
 ops = _turbomind.ops
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -147,6 +147,77 @@ def test_strided_rows_and_weight_handle():
     assert torch.equal(y, linear_packed(x.contiguous(), handle, None, 40, reference=True))
 
 
+# -- W4A16 in panels ------------------------------------------------------------------------------
+
+def rand_w4a16(n, k, group_size, seed=0):
+    """A random W4A16 weight shaped like a real one: w = scale * (q - z), z near 8."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
+    mins = -scales * (8 + torch.randn(n, k // group_size, generator=g))
+    return quant.pack_int4(q), scales, mins
+
+
+def pack_w4a16(qweight, scales, mins):
+    panels = (qweight.shape[0] + 63) // 64
+    qp = torch.full((panels, qweight.shape[1] // 4, 64), -1, dtype=torch.int32)
+    sp, mp = (torch.full((panels, scales.shape[1], 64), float('nan')) for _ in range(2))
+    ops.pack_w4a16(dl(qweight), dl(scales), dl(mins), dl(qp), dl(sp), dl(mp))
+    return qp, sp, mp
+
+
+def w4a16_packed(x, panels, bias, n, reference=False):
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    ops.linear_w4a16_packed(dl(x), *(p if isinstance(p, ops.HostTensor) else dl(p) for p in panels),
+                            None if bias is None else dl(bias), dl(y), reference=reference)
+    return y
+
+
+def test_w4a16_pack_layout_and_round_trip():
+    N, K, G = 70, 96, 32
+    qweight, scales, mins = rand_w4a16(N, K, G, seed=1)
+    qp, sp, mp = pack_w4a16(qweight, scales, mins)
+    assert qp.shape == (2, K // 8, 64) and sp.shape == mp.shape == (2, K // G, 64)
+    n = torch.arange(N)
+    words = qweight.view(torch.int32)                             # the row's bytes as little-endian words
+    assert torch.equal(qp[n // 64, :, n % 64], words)
+    assert torch.equal(sp[n // 64, :, n % 64], scales) and torch.equal(mp[n // 64, :, n % 64], mins)
+    assert (qp[1, :, N - 64:] == 0).all() and (sp[1, :, N - 64:] == 0).all()   # columns past N
+    back = torch.empty_like(qweight), torch.empty_like(scales), torch.empty_like(mins)
+    ops.unpack_w4a16(dl(qp), dl(sp), dl(mp), *(dl(t) for t in back))
+    assert all(torch.equal(a, b) for a, b in zip(back, (qweight, scales, mins)))
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128)])
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 70])
+def test_w4a16_packed_equals_reference(M, N, K, G, dtype):
+    """And the reference stays within tests/test_quant_kernels.py's tolerance of the float64
+    product with the dequantized weights."""
+    qweight, scales, mins = rand_w4a16(N, K, G, seed=M + N)
+    panels = pack_w4a16(qweight, scales, mins)
+    x, b = rand(M, K, dtype=dtype, seed=2), rand(N, seed=3)
+    for bias in (None, b):
+        got, ref = w4a16_packed(x, panels, bias, N), w4a16_packed(x, panels, bias, N, reference=True)
+        assert torch.equal(got, ref), (got.double() - ref.double()).abs().max()
+        want = F.linear(x.double(), quant.dequantize_w4a16(qweight, scales, mins).double(),
+                        None if bias is None else bias.double())
+        tol = dict(atol=2e-6 * K ** 0.5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+        torch.testing.assert_close(ref.double(), want, **tol)
+
+
+def test_w4a16_rows_do_not_depend_on_the_batch_or_the_threads():
+    N, K, G = 300, 576, 32
+    panels = [ops.HostTensor(dl(t)) for t in pack_w4a16(*rand_w4a16(N, K, G, seed=4))]
+    x, b = rand(140, K, seed=5), rand(N, seed=6)
+    full = with_threads(2, lambda: w4a16_packed(x, panels, b, N))
+    for threads in (1, 2, 3):
+        for M in (1, 2, 3, 4, 5, 6, 13, 140):
+            assert torch.equal(with_threads(threads, lambda: w4a16_packed(x[:M], panels, b, N)), full[:M]), (threads, M)
+        for m in (7, 139):
+            assert torch.equal(with_threads(threads, lambda: w4a16_packed(x[m:m + 1], panels, b, N))[0], full[m])
+
+
 # -- bad arguments ---------------------------------------------------------------------------------
 
 def test_bad_arguments_are_clear_errors():
@@ -167,3 +238,14 @@ def test_bad_arguments_are_clear_errors():
         ops.linear_packed(dl(x), dl(packed), dl(torch.zeros(20, dtype=torch.float16)), dl(torch.empty(3, 20)))
     with pytest.raises(ValueError, match='ceil\\(N / 16\\) = P'):
         ops.unpack_linear(dl(packed), dl(torch.empty(40, 8)))
+    qp, sp, mp = pack_w4a16(*rand_w4a16(20, 64, 32))
+    with pytest.raises(ValueError, match=r'qpanels .*\[P4, K / 8, 64\]'):
+        ops.linear_w4a16_packed(dl(rand(3, 64)), dl(qp[:, :, :16].contiguous()), dl(sp), dl(mp), None,
+                                dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match='K = 64'):
+        ops.linear_w4a16_packed(dl(rand(3, 32)), dl(qp), dl(sp), dl(mp), None, dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match=r'ceil\(N / 64\) = 1 panels'):
+        ops.linear_w4a16_packed(dl(rand(3, 64)), dl(qp), dl(sp), dl(mp), None, dl(torch.empty(3, 70)))
+    with pytest.raises(ValueError, match='float32 \\[N\\]'):
+        ops.linear_w4a16_packed(dl(rand(3, 64)), dl(qp), dl(sp), dl(mp), dl(torch.zeros(20, dtype=torch.float16)),
+                                dl(torch.empty(3, 20)))

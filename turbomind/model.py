@@ -116,12 +116,11 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if tied:
         del tensors['embed']
     w4a16 = [n[:-len('.mins')] for n in tensors if n.endswith('.mins') and tensors[n].dim() == 2]
-    import os; w4a16 = [] if os.environ.get('TMP_GEMM_NO_W4') else w4a16  # TEMP(gemm) A/B switch
     for base in w4a16:
         q, s, m = (tensors[f'{base}.{f}'] for f in ('qweight', 'scales', 'mins'))
-        panels = (q.shape[0] + 15) // 16
-        qp = torch.empty(panels, q.shape[1] // 4, 16, dtype=torch.int32)
-        sp, mp = torch.empty(panels, s.shape[1], 16), torch.empty(panels, s.shape[1], 16)
+        panels = (q.shape[0] + 63) // 64  # W4A16 panels are 64 wide
+        qp = torch.empty(panels, q.shape[1] // 4, 64, dtype=torch.int32)
+        sp, mp = torch.empty(panels, s.shape[1], 64), torch.empty(panels, s.shape[1], 64)
         _turbomind.ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
     for name in list(tensors):

@@ -11,9 +11,8 @@
 namespace turbomind {
 namespace {
 
-std::string panels_shape(int64_t N, int64_t K) {
-    return "[" + std::to_string(cpu::num_panels(N)) + ", " + std::to_string(K) + ", " +
-           std::to_string(cpu::kPanelWidth) + "]";
+std::string panels_shape(int64_t N, int64_t K, int64_t W = cpu::kPanelWidth) {
+    return "[" + std::to_string((N + W - 1) / W) + ", " + std::to_string(K) + ", " + std::to_string(W) + "]";
 }
 
 void check_packed(const TensorView & packed) {
@@ -62,18 +61,20 @@ void linear_packed(py::handle x_h, py::handle packed_h, py::handle bias_h, py::h
     cpu::linear_packed(x, packed, has_bias ? &bias : nullptr, y, reference);
 }
 
-// The three W4A16 panel tensors for w[N, K] in groups of G; returns G.
-int64_t check_w4a16_panels(const TensorView & q, const TensorView & s, const TensorView & m) {
-    expect(q.ndim == 3 && q.contiguous() && q.dtype == DType::i32 && q.size(2) == cpu::kPanelWidth, "qpanels", q,
-           "must be a contiguous int32 [P, K / 8, 16] tensor (ops.pack_w4a16)");
+// The three W4A16 panel tensors for w[N, K] in groups of G (a multiple of 32).
+void check_w4a16_panels(const TensorView & q, const TensorView & s, const TensorView & m) {
+    constexpr int64_t W = cpu::kW4A16PanelWidth;
+    expect(q.ndim == 3 && q.contiguous() && q.dtype == DType::i32 && q.size(2) == W, "qpanels", q,
+           "must be a contiguous int32 [P4, K / 8, 64] tensor (ops.pack_w4a16)");
     const int64_t P = q.size(0), K = q.size(1) * 8;
-    expect(s.ndim == 3 && s.contiguous() && s.dtype == DType::f32 && s.size(0) == P && s.size(2) == cpu::kPanelWidth &&
+    expect(s.ndim == 3 && s.contiguous() && s.dtype == DType::f32 && s.size(0) == P && s.size(2) == W &&
            s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 32 == 0, "spanels", s,
-           "must be a contiguous float32 [P, K / G, 16] tensor with qpanels' P and G a multiple of 32");
+           "must be a contiguous float32 [P4, K / G, 64] tensor with qpanels' P4 and G a multiple of 32");
     expect(m.ndim == 3 && m.contiguous() && m.dtype == DType::f32 && m.size(0) == P && m.size(1) == s.size(1) &&
-           m.size(2) == cpu::kPanelWidth, "mpanels", m, "must have spanels' shape, float32");
-    return K / s.size(1);
+           m.size(2) == W, "mpanels", m, "must have spanels' shape, float32");
 }
+
+int64_t num_w4a16_panels(int64_t N) { return (N + cpu::kW4A16PanelWidth - 1) / cpu::kW4A16PanelWidth; }
 
 void pack_w4a16(py::handle q_h, py::handle s_h, py::handle m_h, py::handle qp_h, py::handle sp_h, py::handle mp_h) {
     const TensorView q = view_of(q_h, "qweight"), s = view_of(s_h, "scales"), m = view_of(m_h, "mins");
@@ -86,9 +87,9 @@ void pack_w4a16(py::handle q_h, py::handle s_h, py::handle m_h, py::handle qp_h,
     expect(m.ndim == 2 && m.contiguous() && m.dtype == DType::f32 && m.size(0) == N && m.size(1) == s.size(1), "mins",
            m, "must have scales' shape, float32");
     check_w4a16_panels(qp, sp, mp);
-    expect(qp.size(0) == cpu::num_panels(N) && qp.size(1) == K / 8 && sp.size(1) == s.size(1), "qpanels", qp,
-           "must be " + panels_shape(N, K / 8) + " (and spanels, mpanels [P, K / G, 16]) for qweight " +
-           shape_str(q));
+    expect(qp.size(0) == num_w4a16_panels(N) && qp.size(1) == K / 8 && sp.size(1) == s.size(1), "qpanels", qp,
+           "must be " + panels_shape(N, K / 8, cpu::kW4A16PanelWidth) + " (and spanels, mpanels [P4, K / G, 64]) "
+           "for qweight " + shape_str(q));
     py::gil_scoped_release release;
     cpu::pack_w4a16(q, s, m, qp, sp, mp);
 }
@@ -99,7 +100,7 @@ void unpack_w4a16(py::handle qp_h, py::handle sp_h, py::handle mp_h, py::handle 
     check_w4a16_panels(qp, sp, mp);
     const int64_t N = q.size(0);
     bool ok = q.ndim == 2 && q.contiguous() && q.dtype == DType::u8 && q.size(1) == qp.size(1) * 4 &&
-              cpu::num_panels(N) == qp.size(0);
+              num_w4a16_panels(N) == qp.size(0);
     for (const TensorView * t : {&s, &m}) {
         ok = ok && t->ndim == 2 && t->contiguous() && t->dtype == DType::f32 && t->size(0) == N &&
              t->size(1) == sp.size(1);
@@ -117,8 +118,8 @@ void linear_w4a16_packed(py::handle x_h, py::handle qp_h, py::handle sp_h, py::h
     expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype) && x.size(1) == qp.size(1) * 8, "x", x,
            "must be a float [M, K] tensor with unit stride in K, K = " + std::to_string(qp.size(1) * 8));
     expect(y.ndim == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.dtype == x.dtype &&
-           cpu::num_panels(y.size(1)) == qp.size(0), "y", y,
-           "must be [M, N] with x's M and dtype, unit stride in N and ceil(N / 16) = " + std::to_string(qp.size(0)) +
+           num_w4a16_panels(y.size(1)) == qp.size(0), "y", y,
+           "must be [M, N] with x's M and dtype, unit stride in N and ceil(N / 64) = " + std::to_string(qp.size(0)) +
            " panels");
     TensorView bias;
     const bool has_bias = !bias_h.is_none();
@@ -142,14 +143,14 @@ void bind_gemm(py::module_ & ops) {
             "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w packed: one fma a k in increasing k, float32.");
     ops.def("pack_w4a16", &pack_w4a16, py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("qpanels"),
             py::arg("spanels"), py::arg("mpanels"),
-            "W4A16 (qweight uint8 [N, K/2], scales, mins float32 [N, K/G]) into panels: qpanels int32 [P, K/8, 16], "
-            "spanels, mpanels float32 [P, K/G, 16].");
+            "W4A16 (qweight uint8 [N, K/2], scales, mins float32 [N, K/G]) into panels 64 wide: qpanels int32 "
+            "[P4, K/8, 64], spanels, mpanels float32 [P4, K/G, 64].");
     ops.def("unpack_w4a16", &unpack_w4a16, py::arg("qpanels"), py::arg("spanels"), py::arg("mpanels"),
             py::arg("qweight"), py::arg("scales"), py::arg("mins"), "The W4A16 layout back from its panels.");
     ops.def("linear_w4a16_packed", &linear_w4a16_packed, py::arg("x"), py::arg("qpanels"), py::arg("spanels"),
             py::arg("mpanels"), py::arg("bias"), py::arg("y"), py::arg("reference") = false,
-            "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w = q * scale + min (float32) from W4A16 panels: "
-            "the float GEMM over the dequantized weights.");
+            "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w W4A16 in panels: per group, scale * (x . q) + "
+            "min * sum(x), accumulated in float32 (kernels/cpu/gemm.h).");
 }
 
 }  // namespace turbomind

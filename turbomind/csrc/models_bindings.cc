@@ -108,11 +108,11 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
                 const int64_t groups = s.ndim >= 2 ? s.size(1) : 0;
                 const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
                 if (g < 32 || g % 32) fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) + " needs groups of a multiple of 32");
-                if (w4 && s.ndim == 3) {  // W4A16 in panels
-                    const int64_t P = (N + 15) / 16;
-                    lw.qweight = raw(name + ".qweight", DType::i32, {P, K / 8, 16});
-                    lw.mins = raw(name + ".mins", DType::f32, {P, groups, 16});
-                    lw.scales = raw(sn, DType::f32, {P, groups, 16});
+                if (w4 && s.ndim == 3) {  // W4A16 in panels 64 wide
+                    const int64_t P4 = (N + 63) / 64;
+                    lw.qweight = raw(name + ".qweight", DType::i32, {P4, K / 8, 64});
+                    lw.mins = raw(name + ".mins", DType::f32, {P4, groups, 64});
+                    lw.scales = raw(sn, DType::f32, {P4, groups, 64});
                 } else {
                     lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
                     if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});

@@ -29,7 +29,7 @@ struct LlamaConfig {
 // One matmul's weights (layouts in kernels/cpu/quant.h and gemm.h): float [N, K] in the model
 // dtype, or the same packed in panels [ceil(N / 16), K, 16] (`packed`: what turbomind/model.py
 // hands over); W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G], or the same
-// in panels: int32 [P, K/8, 16], float32 [P, K/G, 16]); W8A16
+// in panels 64 wide: int32 [P4, K/8, 64], float32 [P4, K/G, 64]); W8A16
 // (qweight int8 [N, K], scales float32 [N, K/G]); or W8A8 (qweight int8 [N, K], scales
 // float32 [N], activations quantized per token). G is per matmul: K / scales.size(1). Bias
 // [N]: the model dtype for float weights, float32 for quantized ones; or none.

@@ -1,5 +1,5 @@
-// Packing and threading of the packed matmul: shape checks live in the bindings
-// (gemm_bindings.cc), the arithmetic in gemm_ref.cc / gemm_avx2.cc.
+// Packing and threading of the packed matmuls: shape checks live in the bindings
+// (gemm_bindings.cc), the arithmetic in gemm_ref.cc / gemm_avx2.cc / gemm_w4a16_avx2.cc.
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
@@ -15,40 +15,40 @@ namespace {
 
 bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
 
-// packed[p, k, j] = w[16 p + j, k], zero past N; T: an element's bits (uint32_t or uint16_t).
+// packed[p, k, j] = w[W p + j, k] in panels W wide, zero past N; T: an element's bits
+// (uint32_t or uint16_t).
 template <typename T>
-void pack_t(const T * w, int64_t N, int64_t K, T * packed) {
-    const int64_t P = num_panels(N);
-    for (int64_t p = 0; p < P; ++p) {
-        T * dst = packed + p * K * kPanelWidth;
-        const int64_t rows = std::min<int64_t>(kPanelWidth, N - p * kPanelWidth);
-        if (rows < kPanelWidth) std::memset(dst, 0, K * kPanelWidth * sizeof(T));
+void pack_t(const T * w, int64_t N, int64_t K, int64_t W, T * packed) {
+    for (int64_t p = 0; p < (N + W - 1) / W; ++p) {
+        T * dst = packed + p * K * W;
+        const int64_t rows = std::min(W, N - p * W);
+        if (rows < W) std::memset(dst, 0, K * W * sizeof(T));
         for (int64_t j = 0; j < rows; ++j) {
-            const T * src = w + (p * kPanelWidth + j) * K;
-            for (int64_t k = 0; k < K; ++k) dst[k * kPanelWidth + j] = src[k];
+            const T * src = w + (p * W + j) * K;
+            for (int64_t k = 0; k < K; ++k) dst[k * W + j] = src[k];
         }
     }
 }
 
 template <typename T>
-void packed_row_t(const T * packed, int64_t K, int64_t n, T * out) {
-    const T * src = packed + (n / kPanelWidth) * K * kPanelWidth + n % kPanelWidth;
-    for (int64_t k = 0; k < K; ++k) out[k] = src[k * kPanelWidth];
+void packed_row_t(const T * packed, int64_t K, int64_t W, int64_t n, T * out) {
+    const T * src = packed + (n / W) * K * W + n % W;
+    for (int64_t k = 0; k < K; ++k) out[k] = src[k * W];
 }
 
 }  // namespace
 
 void pack_linear(const TensorView & w, const TensorView & packed) {
-    const int64_t N = w.size(0), K = w.size(1), P = num_panels(N);
-    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, P / 16)));
+    const int64_t N = w.size(0), K = w.size(1), W = packed.size(2), P = packed.size(0);
+    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, P * W / 256)));
     parallel(threads, [&](int t, int nt) {
         const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-        const int64_t n0 = p0 * kPanelWidth, n1 = std::min(N, p1 * kPanelWidth);
+        const int64_t n0 = p0 * W, n1 = std::min(N, p1 * W);
         if (n0 >= n1) return;
         if (dtype_size(w.dtype) == 4) {
-            pack_t(w.ptr<uint32_t>() + n0 * K, n1 - n0, K, packed.ptr<uint32_t>() + p0 * K * kPanelWidth);
+            pack_t(w.ptr<uint32_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint32_t>() + p0 * K * W);
         } else {
-            pack_t(w.ptr<uint16_t>() + n0 * K, n1 - n0, K, packed.ptr<uint16_t>() + p0 * K * kPanelWidth);
+            pack_t(w.ptr<uint16_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint16_t>() + p0 * K * W);
         }
     });
 }
@@ -59,25 +59,25 @@ void unpack_linear(const TensorView & packed, const TensorView & w) {
 }
 
 void packed_row(const TensorView & packed, int64_t n, void * out) {
-    const int64_t K = packed.size(1);
+    const int64_t K = packed.size(1), W = packed.size(2);
     if (dtype_size(packed.dtype) == 4) {
-        packed_row_t(packed.ptr<uint32_t>(), K, n, static_cast<uint32_t *>(out));
+        packed_row_t(packed.ptr<uint32_t>(), K, W, n, static_cast<uint32_t *>(out));
     } else {
-        packed_row_t(packed.ptr<uint16_t>(), K, n, static_cast<uint16_t *>(out));
+        packed_row_t(packed.ptr<uint16_t>(), K, W, n, static_cast<uint16_t *>(out));
     }
 }
 
 namespace {
 
-// fn(n0, n1) for each thread's columns [n0, n1) (whole panels, contiguous: the weights are
-// read once in all), on as many threads as pay for themselves (below ~64k multiply-adds a
-// second one costs more than it saves).
+// fn(p0, p1) for each thread's 16-column panels [p0, p1) (contiguous, split at multiples of
+// `align`: the weights are read once in all), on as many threads as pay for themselves (below
+// ~64k multiply-adds a second one costs more than it saves).
 template <typename Fn>
-void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
-    const int64_t P = num_panels(N);
-    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), P, std::max<int64_t>(1, M * N * K >> 16)}));
+void split_panels(int64_t M, int64_t N, int64_t K, int64_t align, Fn && fn) {
+    const int64_t P = num_panels(N), units = (P + align - 1) / align;
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), units, std::max<int64_t>(1, M * N * K >> 16)}));
     parallel(threads, [&](int t, int nt) {
-        const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+        const int64_t p0 = std::min(P, units * t / nt * align), p1 = std::min(P, units * (t + 1) / nt * align);
         if (p0 < p1) fn(p0, p1);
     });
 }
@@ -102,7 +102,7 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
     if (reference || !use_avx2()) {
-        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+        split_panels(M, N, K, 1, [&](int64_t p0, int64_t p1) {
             ref::linear_packed_rows(x, packed, bias, y, p0 * kPanelWidth, std::min(N, p1 * kPanelWidth));
         });
         return;
@@ -110,7 +110,7 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     std::vector<float> converted;
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
-    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+    split_panels(M, N, K, 1, [&](int64_t p0, int64_t p1) {
         avx2::linear_packed_panels(xf, ldx, M, packed, bias, y, p0, p1);
     });
 }
@@ -141,7 +141,7 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
     if (reference || !use_avx2()) {
-        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+        split_panels(M, N, K, kW4A16PanelWidth / kPanelWidth, [&](int64_t p0, int64_t p1) {
             ref::linear_w4a16_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
                                           std::min(N, p1 * kPanelWidth));
         });
@@ -156,7 +156,7 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
     parallel(threads, [&](int t, int nt) {
         avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
     });
-    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+    split_panels(M, N, K, kW4A16PanelWidth / kPanelWidth, [&](int64_t p0, int64_t p1) {
         avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
     });
 }

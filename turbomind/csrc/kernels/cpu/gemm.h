@@ -1,8 +1,8 @@
 // Matmuls over pre-packed weights: TurboMind's GEMM (prefill) and GEMV (decode) for float32,
-// bfloat16 and float16 weights, and for W4A16 weights (quant.h) in the same panels. As in
+// bfloat16 and float16 weights, and for W4A16 weights (quant.h) in panels too. As in
 // kernels.h, a scalar reference (gemm_ref.cc) defines each result and an AVX2/FMA/F16C
-// version (gemm_avx2.cc) is picked at run time; gemm.cc packs and splits the work across
-// threads.
+// version (gemm_avx2.cc, gemm_w4a16_avx2.cc; their tile: gemm_tile_avx2.h) is picked at run
+// time; gemm.cc packs and splits the work across threads.
 //
 // Packed layout, for w[N, K] (any float dtype, kept as is):
 //   packed: [P, K, 16] with P = ceil(N / 16), packed[p, k, j] = w[16 p + j, k], zero for
@@ -15,10 +15,12 @@
 // bitwise the same whatever rows come with it, and the AVX2 kernel equals the reference
 // bit for bit (16-bit x and w widen to float32 exactly).
 //
-// W4A16 packed, for the W4A16 layout of quant.h (qweight [N, K / 2], scales and mins [N, K / G]):
-//   qpanels: int32 [P, K / 8, 16], word (p, c, j) = the eight 4-bit q[16 p + j, 8 c + i] in
+// W4A16 packed, for the W4A16 layout of quant.h (qweight [N, K / 2], scales and mins [N, K / G]),
+// in panels 64 wide (four of 16 interleaved k by k: the four panels of a decode tile are one
+// stream from memory), P4 = ceil(N / 64):
+//   qpanels: int32 [P4, K / 8, 64], word (p, c, j) = the eight 4-bit q[64 p + j, 8 c + i] in
 //            nibble i (i = 0..7: the bytes of qweight's row as a little-endian word)
-//   spanels, mpanels: float32 [P, K / G, 16], [p, g, j] = scales / mins[16 p + j, g]
+//   spanels, mpanels: float32 [P4, K / G, 64], [p, g, j] = scales / mins[64 p + j, g]
 //   (zero past N).
 // Result, in float32, per group g of G k (as the W4A16 kernel of quant.h, in broadcast form):
 //   D[m, n, g] = fma(xp[m, k], qp[n, k], ...) over the group's k in increasing k, from 0, where
@@ -27,8 +29,9 @@
 //                packed word turns into qp with one AND (gemm_w4a16_avx2.cc)
 //   X[m, g]    = the sum of x[m, k] over the group in eight lanes: lane l adds k = l mod 8 in
 //                increasing k, then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-//   y[m, n]    = T after the last group, T = fma(mins[n, g], X[m, g], fma(scales[n, g], D, T))
-//                from T = 0 in increasing g (+ bias[n]), rounded once to y's dtype.
+//   T[m, n]    = fma(scales[n, g], D[m, n, g], ...) over the groups in increasing g, from 0
+//   U[m, n]    = fma(mins[n, g], X[m, g], ...) over the groups in increasing g, from 0
+//   y[m, n]    = T + U (+ bias[n]), rounded once to y's dtype.
 // The same for any M and thread count; the AVX2 kernel equals the reference bit for bit.
 #pragma once
 
@@ -37,11 +40,13 @@
 namespace turbomind::cpu {
 
 constexpr int64_t kPanelWidth = 16;
+constexpr int64_t kW4A16PanelWidth = 64;
 inline int64_t num_panels(int64_t N) { return (N + kPanelWidth - 1) / kPanelWidth; }
 
-// packed[P, K, 16] from w[N, K]: both contiguous, one dtype (f32, bf16, f16).
+// packed[P, K, W] from w[N, K] in panels W = packed.size(2) wide (16; 64 for W4A16's parts):
+// both contiguous, one 16- or 32-bit dtype.
 void pack_linear(const TensorView & w, const TensorView & packed);
-// w[N, K] back from packed[P, K, 16] (N <= 16 P).
+// w[N, K] back from packed[P, K, W] (N <= W P).
 void unpack_linear(const TensorView & packed, const TensorView & w);
 // Row n of w, in packed's dtype, into out[K]: the embedding lookup of a tied, packed lm_head.
 void packed_row(const TensorView & packed, int64_t n, void * out);

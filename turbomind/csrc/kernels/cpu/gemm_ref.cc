@@ -43,21 +43,23 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
             xsum[g] = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
         }
         for (int64_t n = n0; n < n1; ++n) {
-            const int64_t p = n / kPanelWidth, col = n % kPanelWidth;
-            float t = 0.f;
+            const int64_t p = n / kW4A16PanelWidth, col = n % kW4A16PanelWidth;
+            float t = 0.f, u = 0.f;
             for (int64_t g = 0; g < num_groups; ++g) {
                 float d = 0.f;
                 for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                    const uint32_t word = q[(p * (K / 8) + k / 8) * kPanelWidth + col];
+                    const uint32_t word = q[(p * (K / 8) + k / 8) * kW4A16PanelWidth + col];
                     const int j = static_cast<int>(k % 8);
                     const uint32_t qp = j < 7 ? word & (0xFu << (4 * j)) : word >> 28;
                     d = std::fma(xp[k], static_cast<float>(qp), d);
                 }
-                const int64_t at = (p * num_groups + g) * kPanelWidth + col;
-                t = std::fma(mn[at], xsum[g], std::fma(s[at], d, t));
+                const int64_t at = (p * num_groups + g) * kW4A16PanelWidth + col;
+                t = std::fma(s[at], d, t);
+                u = std::fma(mn[at], xsum[g], u);
             }
-            if (bias) t += bias->ptr<float>()[n];
-            store_f32(y.data, m * y.stride(0) + n, y.dtype, t);
+            float v = t + u;
+            if (bias) v += bias->ptr<float>()[n];
+            store_f32(y.data, m * y.stride(0) + n, y.dtype, v);
         }
     }
 }

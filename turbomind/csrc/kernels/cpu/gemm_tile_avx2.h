@@ -20,7 +20,7 @@ constexpr int64_t kW = kPanelWidth;
 // in the 16 ymm registers, and 12 independent FMAs a k cover the FMA latency (4 cycles, 2 a cycle).
 constexpr int kMR = 6;
 // k per step of the GEMM: a chunk of kKC x 16 float32 (16 KiB) stays in L1 while every tile
-// of x passes over it. A multiple of 8 (a W4A16 word) and of 32 (K of W4A16 is).
+// of x passes over it (W4A16 takes whole groups: a multiple of G near it).
 constexpr int64_t kKC = 256;
 // Bytes of x rows that one pass over this thread's panels keeps in L2 (512 KiB a core on
 // Zen 3): the rows of x are taken in blocks of about this size, each block meeting every panel.

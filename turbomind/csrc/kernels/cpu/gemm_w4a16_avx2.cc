@@ -2,11 +2,12 @@
 // This file is compiled with those flags; gemm.cc calls into it only when the CPU has all three.
 //
 // Per group g, an output keeps D, the fma chain of xp · qp over the group's k, and folds it
-// into T = fma(mins, X[g], fma(scales, D, T)). xp is x pre-scaled by 2^(-4 j) (j = k mod 8,
-// j < 7) and qp is nibble j masked in place, q 2^(4 j), so that a word turns into eight
-// floats with an AND and a convert; their products are x q. Both sums live in the tile's
-// lanes (broadcast form), so no tile shape changes a bit: the M <= 5 path converts the words
-// in registers, the GEMM path converts a chunk of a panel once into an L1 buffer of qp.
+// into T = fma(scales, D, T); after the last group, U = the fma chain of mins · X over the
+// groups, and y = T + U. xp is x pre-scaled by 2^(-4 j) (j = k mod 8, j < 7) and qp is
+// nibble j masked in place, q 2^(4 j), so that a word turns into eight floats with an AND and
+// a convert; their products are x q. All sums live in the tile's lanes (broadcast form), so
+// no tile shape changes a bit: the M <= 5 path converts the words in registers, the GEMM path
+// converts a chunk of a panel once into an L1 buffer of qp.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,9 +31,6 @@ __attribute__((always_inline)) inline __m256 nibble(__m256i v) {
     return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
 }
 
-// Words (64 bytes of a panel each) the M <= 5 path asks for ahead of use.
-constexpr int64_t kPrefetchWords = 16;
-
 inline __m256i load_words(const int32_t * p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
 
 // The panels (gemm.h) and the prepared rows: xp [M, K], xsum [M, K / G].
@@ -44,24 +42,26 @@ struct W4A16 {
     const float * xp;
     const float * xsum;
 
-    const int32_t * words(int64_t p, int64_t c) const { return q + (p * (K / 8) + c) * kW; }
-    const float * scales(int64_t p, int64_t g) const { return s + (p * ng + g) * kW; }
-    const float * mins(int64_t p, int64_t g) const { return mn + (p * ng + g) * kW; }
+    // 16-column panel p is columns 16 (p mod 4).. of 64-wide panel p / 4
+    static constexpr int64_t kW4 = kW4A16PanelWidth;
+    const int32_t * words(int64_t p, int64_t c) const { return q + (p / 4 * (K / 8) + c) * kW4 + p % 4 * kW; }
+    const float * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+    const float * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
 
-    // t = fma(mins, X[m, g], fma(scales, d, t)) for the tile's rows m0.. and panels p..
+    // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
     template <int MR, int NP>
-    __attribute__((always_inline)) void fold(int64_t m0, int64_t p, int64_t g, const Acc<MR, NP> & d,
-                                             Acc<MR, NP> & t) const {
-        for (int i = 0; i < NP; ++i) {
-            for (int h = 0; h < 2; ++h) {
-                const __m256 sv = _mm256_loadu_ps(scales(p + i, g) + 8 * h);
-                const __m256 mv = _mm256_loadu_ps(mins(p + i, g) + 8 * h);
-                for (int m = 0; m < MR; ++m) {
-                    const __m256 xs = _mm256_broadcast_ss(xsum + (m0 + m) * ng + g);
-                    t.v[m][2 * i + h] = _mm256_fmadd_ps(mv, xs, _mm256_fmadd_ps(sv, d.v[m][2 * i + h], t.v[m][2 * i + h]));
-                }
+    __attribute__((always_inline)) Acc<MR, NP> mins_sum(int64_t m0, int64_t p) const {
+        Acc<MR, NP> u = acc_zero<MR, NP>();
+        const float * xs = xsum + m0 * ng;
+        for (int64_t g = 0; g < ng; ++g) {
+            __m256 mv[2 * NP];
+            for (int i = 0; i < 2 * NP; ++i) mv[i] = _mm256_loadu_ps(mins(p + i / 2, g) + 8 * (i % 2));
+            for (int m = 0; m < MR; ++m) {
+                const __m256 xb = _mm256_broadcast_ss(xs + m * ng + g);
+                for (int i = 0; i < 2 * NP; ++i) u.v[m][i] = _mm256_fmadd_ps(mv[i], xb, u.v[m][i]);
             }
         }
+        return u;
     }
 
     // d += x · w for rows 0..MR at x (stride K) and the 2 NP column vectors w.
@@ -73,11 +73,12 @@ struct W4A16 {
         }
     }
 
-    // An M <= 5 tile (rows 0..MR) over NP whole panels from p, all of K, converted in registers.
+    // An M <= 5 tile (rows 0..MR) over NP whole panels from p, within one 64-wide panel (the
+    // threads split at multiples of four panels), all of K, converted in registers.
     template <int MR, int NP>
     Acc<MR, NP> tile(int64_t p) const {
-        const int64_t ps = K / 8 * kW;  // elements between panels
-        Acc<MR, NP> t = acc_zero<MR, NP>();
+        const int64_t ps = kW;  // elements between the tile's panels: one 64-wide panel holds them
+        Acc<MR, NP> t = acc_zero<MR, NP>(), u = acc_zero<MR, NP>();
         for (int64_t g = 0; g < ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
             for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
@@ -85,8 +86,6 @@ struct W4A16 {
                 // as kept in registers they would leave too few for the accumulators
                 const int32_t * wc = words(p, c);
                 const float * xc = xp + 8 * c;
-                // the panels' words kPrefetchWords ahead: without, they arrive late from memory
-                for (int i = 0; i < NP; ++i) _mm_prefetch(reinterpret_cast<const char *>(wc + i * ps + kPrefetchWords * kW), _MM_HINT_T0);
                 __m256i mask = _mm256_set1_epi32(0xF);
                 __m256 w[2 * NP];
 #pragma GCC unroll 1
@@ -100,12 +99,19 @@ struct W4A16 {
                 for (int i = 0; i < 2 * NP; ++i) w[i] = nibble<7>(load_words(wc + i / 2 * ps + 8 * (i % 2)));
                 fma_step(xc + 7, w, d);
             }
-            for (int i = 0; i < NP; ++i) {
-                _mm_prefetch(reinterpret_cast<const char *>(scales(p + i, g + 2)), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char *>(mins(p + i, g + 2)), _MM_HINT_T0);
+            // both chains advance a group at a time here, where the group's scales and mins
+            // arrive together (a second pass over the mins would read them again from memory)
+            for (int i = 0; i < 2 * NP; ++i) {
+                const __m256 sv = _mm256_loadu_ps(scales(p + i / 2, g) + 8 * (i % 2));
+                const __m256 mv = _mm256_loadu_ps(mins(p + i / 2, g) + 8 * (i % 2));
+                for (int m = 0; m < MR; ++m) {
+                    t.v[m][i] = _mm256_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
+                    u.v[m][i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xsum + m * ng + g), u.v[m][i]);
+                }
             }
-            fold(0, p, g, d, t);
         }
+        for (int m = 0; m < MR; ++m)
+            for (int i = 0; i < 2 * NP; ++i) t.v[m][i] = _mm256_add_ps(t.v[m][i], u.v[m][i]);
         return t;
     }
 
@@ -145,38 +151,58 @@ void panels_small(const W4A16 & a, int64_t N, const float * bias, YT * y, int64_
 }
 
 // The groups of a kc-long chunk for one 1-panel tile of the GEMM: D over each group from the
-// qp buffer, folded into T, which waits in part[MR, 16] between chunks; the last group of
-// all adds the bias and writes y.
-template <int MR, typename YT>
+// qp buffer, in registers (as many as the float tile); T waits in part[MR, 16] (L1), folded
+// in after each group. After the last group of all, U takes the registers, and
+// y = T + U (+ bias). GC: the group size when known at compile time
+// (the common ones), else 0.
+template <int MR, int GC, typename YT>
 void tile_chunk(const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
                 const float * bias, int64_t cols, YT * y, int64_t ldy) {
-    Acc<MR, 1> t;
-    for (int m = 0; m < MR; ++m) {
-        for (int j = 0; j < 2; ++j) t.v[m][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + m * kW + 8 * j);
-    }
-    for (int64_t kg = k0; kg < k0 + kc; kg += a.G) {
+    const int64_t G = GC ? GC : a.G;
+    for (int64_t kg = k0; kg < k0 + kc; kg += G) {
         Acc<MR, 1> d = acc_zero<MR, 1>();
-        tile_steps<MR, 1>(a.xp + m0 * a.K + kg, a.K, buf + (kg - k0) * kW, 0, a.G, d);
-        a.fold(m0, p, kg / a.G, d, t);
+        tile_steps<MR, 1>(a.xp + m0 * a.K + kg, a.K, buf + (kg - k0) * kW, 0, G, d);
+        const float * s = a.scales(p, kg / G);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sv = _mm256_loadu_ps(s + 8 * h);
+            for (int m = 0; m < MR; ++m) {
+                const __m256 t = kg == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + m * kW + 8 * h);
+                _mm256_storeu_ps(part + m * kW + 8 * h, _mm256_fmadd_ps(sv, d.v[m][h], t));
+            }
+        }
     }
     if (k0 + kc == a.K) {
-        tile_store<MR, 1>(t, bias, cols, y, ldy);
-    } else {
-        for (int m = 0; m < MR; ++m)
-            for (int j = 0; j < 2; ++j) _mm256_storeu_ps(part + m * kW + 8 * j, t.v[m][j]);
+        Acc<MR, 1> y_acc = a.mins_sum<MR, 1>(m0, p);
+        for (int m = 0; m < MR; ++m) {
+            for (int h = 0; h < 2; ++h) {
+                y_acc.v[m][h] = _mm256_add_ps(_mm256_loadu_ps(part + m * kW + 8 * h), y_acc.v[m][h]);
+            }
+        }
+        tile_store<MR, 1>(y_acc, bias, cols, y, ldy);
+    }
+}
+
+template <int GC, typename YT>
+void tile_chunk_m(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
+                  float * part, const float * bias, int64_t cols, YT * y, int64_t ldy) {
+    switch (mr) {
+        case 6: tile_chunk<6, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 5: tile_chunk<5, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 4: tile_chunk<4, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 3: tile_chunk<3, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 2: tile_chunk<2, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        default: tile_chunk<1, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
     }
 }
 
 template <typename YT>
-void tile_chunk_m(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
+void tile_chunk_g(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
                   float * part, const float * bias, int64_t cols, YT * y, int64_t ldy) {
-    switch (mr) {
-        case 6: tile_chunk<6>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
-        case 5: tile_chunk<5>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
-        case 4: tile_chunk<4>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
-        case 3: tile_chunk<3>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
-        case 2: tile_chunk<2>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
-        default: tile_chunk<1>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+    switch (a.G) {
+        case 32: tile_chunk_m<32>(mr, a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 64: tile_chunk_m<64>(mr, a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        case 128: tile_chunk_m<128>(mr, a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
+        default: tile_chunk_m<0>(mr, a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
     }
 }
 
@@ -199,7 +225,7 @@ void panels_gemm(const W4A16 & a, int64_t M, int64_t N, const float * bias, YT *
                 a.chunk(p, k0, kc, buf.data());
                 for (int64_t m = mb; m < me; m += kMR) {
                     const int mr = static_cast<int>(std::min<int64_t>(kMR, me - m));
-                    tile_chunk_m(mr, a, m, p, k0, kc, buf.data(), part.data() + (m - mb) * kW, bp, cols,
+                    tile_chunk_g(mr, a, m, p, k0, kc, buf.data(), part.data() + (m - mb) * kW, bp, cols,
                                  y + m * ldy + p * kW, ldy);
                 }
             }
