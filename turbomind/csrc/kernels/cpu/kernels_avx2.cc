@@ -159,19 +159,7 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             for (float v : tmp) max_s = std::fmax(max_s, v);
         }
         // probabilities, unnormalised; the sum divides the output once
-        const __m256 mv = _mm256_set1_ps(max_s);
-        __m256 vsum = _mm256_setzero_ps();
-        t = 0;
-        for (; t + 8 <= len; t += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-            _mm256_storeu_ps(s + t, p);
-            vsum = _mm256_add_ps(vsum, p);
-        }
-        float sum = hsum(vsum);
-        for (; t < len; ++t) {
-            s[t] = std::exp(s[t] - max_s);
-            sum += s[t];
-        }
+        const float sum = exp_shifted(s, len, max_s);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {

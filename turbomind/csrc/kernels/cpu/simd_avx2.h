@@ -5,6 +5,8 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "core/tensor.h"
 
 namespace turbomind::cpu::avx2 {
@@ -71,6 +73,24 @@ inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[t] = e^(s[t] - max_s) for t < len, the unnormalised probabilities of a softmax; returns their sum.
+inline float exp_shifted(float * s, int64_t len, float max_s) {
+    const __m256 mv = _mm256_set1_ps(max_s);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    float sum = hsum(vsum);
+    for (; t < len; ++t) {
+        s[t] = std::exp(s[t] - max_s);
+        sum += s[t];
+    }
+    return sum;
 }
 
 // [sum(v[0]), ..., sum(v[7])]: eight horizontal sums in seven shuffling adds.
