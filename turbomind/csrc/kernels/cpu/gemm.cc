@@ -115,23 +115,29 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     });
 }
 
-void pack_w4a16(const TensorView & qweight, const TensorView & scales, const TensorView & mins,
-                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels) {
-    // a row's K / 2 bytes are K / 8 little-endian words, nibble i of word c = k 8 c + i
+namespace {
+
+// W4A16 qweight [N, K / 2] bytes seen as K / 8 little-endian words a row: nibble i of word c is
+// k = 8 c + i, so the words pack into panels like any [N, K / 8] matrix of 32-bit elements
+TensorView nibble_words(const TensorView & qweight) {
     TensorView words = qweight;
     words.dtype = DType::i32;
     words.shape[1] = qweight.size(1) / 4;
-    pack_linear(words, qpanels);
+    return words;
+}
+
+}  // namespace
+
+void pack_w4a16(const TensorView & qweight, const TensorView & scales, const TensorView & mins,
+                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels) {
+    pack_linear(nibble_words(qweight), qpanels);
     pack_linear(scales, spanels);
     pack_linear(mins, mpanels);
 }
 
 void unpack_w4a16(const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
                   const TensorView & qweight, const TensorView & scales, const TensorView & mins) {
-    TensorView words = qweight;
-    words.dtype = DType::i32;
-    words.shape[1] = qweight.size(1) / 4;
-    unpack_linear(qpanels, words);
+    unpack_linear(qpanels, nibble_words(qweight));
     unpack_linear(spanels, scales);
     unpack_linear(mpanels, mins);
 }

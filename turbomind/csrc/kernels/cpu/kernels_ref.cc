@@ -124,7 +124,8 @@ void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, cons
         }
         for (int64_t i = rot; i < D; ++i) f[i] = load_f32(qkv.data, src + i, dt);
     };
-    std::vector<float> f(D);
+    static thread_local std::vector<float> f;  // one rotated head; runs per token and layer, so no allocation
+    f.resize(D);
     for (int64_t h = 0; h < num_heads; ++h) {
         rotate(row + h * D, f.data());
         const int64_t dst = t * q_out.stride(0) + h * q_out.stride(1);
