@@ -161,7 +161,7 @@ def rand_w4a16(n, k, group_size, seed=0):
 def pack_w4a16(qweight, scales, mins):
     panels = (qweight.shape[0] + 63) // 64
     qp = torch.full((panels, qweight.shape[1] // 4, 64), -1, dtype=torch.int32)
-    sp, mp = (torch.full((panels, scales.shape[1], 64), float('nan')) for _ in range(2))
+    sp, mp = (torch.full((panels, scales.shape[1], 64), float('nan'), dtype=scales.dtype) for _ in range(2))
     ops.pack_w4a16(dl(qweight), dl(scales), dl(mins), dl(qp), dl(sp), dl(mp))
     return qp, sp, mp
 
@@ -173,9 +173,11 @@ def w4a16_packed(x, panels, bias, n, reference=False):
     return y
 
 
-def test_w4a16_pack_layout_and_round_trip():
+@pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
+def test_w4a16_pack_layout_and_round_trip(scale_dtype):
     N, K, G = 70, 96, 32
     qweight, scales, mins = rand_w4a16(N, K, G, seed=1)
+    scales, mins = scales.to(scale_dtype), mins.to(scale_dtype)
     qp, sp, mp = pack_w4a16(qweight, scales, mins)
     assert qp.shape == (2, K // 8, 64) and sp.shape == mp.shape == (2, K // G, 64)
     n = torch.arange(N)
@@ -191,11 +193,20 @@ def test_w4a16_pack_layout_and_round_trip():
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128)])
 @pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 70])
-def test_w4a16_packed_equals_reference(M, N, K, G, dtype):
+@pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
+def test_w4a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype):
     """And the reference stays within tests/test_quant_kernels.py's tolerance of the float64
-    product with the dequantized weights."""
+    product with the dequantized weights. Scales and mins in float16 (GGUF's blocks) give the
+    same result as the same values in float32."""
     qweight, scales, mins = rand_w4a16(N, K, G, seed=M + N)
+    if scale_dtype == torch.float16:
+        scales, mins = scales.half(), mins.half()
+        as_f32 = w4a16_packed(rand(M, K, dtype=dtype, seed=2), pack_w4a16(qweight, scales.float(), mins.float()),
+                              None, N)
     panels = pack_w4a16(qweight, scales, mins)
+    if scale_dtype == torch.float16:
+        assert torch.equal(w4a16_packed(rand(M, K, dtype=dtype, seed=2), panels, None, N), as_f32)
+        scales, mins = scales.float(), mins.float()
     x, b = rand(M, K, dtype=dtype, seed=2), rand(N, seed=3)
     for bias in (None, b):
         got, ref = w4a16_packed(x, panels, bias, N), w4a16_packed(x, panels, bias, N, reference=True)
@@ -249,3 +260,8 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match='float32 \\[N\\]'):
         ops.linear_w4a16_packed(dl(rand(3, 64)), dl(qp), dl(sp), dl(mp), dl(torch.zeros(20, dtype=torch.float16)),
                                 dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match="mpanels .*must have spanels' shape and dtype"):
+        ops.linear_w4a16_packed(dl(rand(3, 64)), dl(qp), dl(sp.half()), dl(mp), None, dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match="scales .*of spanels' dtype, float16"):
+        q, s, m = rand_w4a16(20, 64, 32)
+        ops.pack_w4a16(dl(q), dl(s), dl(m), dl(qp), dl(sp.half()), dl(mp.half()))

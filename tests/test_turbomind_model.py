@@ -162,6 +162,9 @@ def test_smollm2_gguf_runs_at_4_bits_without_loss(smollm2_dir):
         assert torch.equal(dequantize_w4a16(*parts), weights[name]), name
     model = TurbomindModel(config, weights, torch.float32, 32, 16, quantized=w4a16)
     assert model.num_w4a16 == 4 * config.num_layers  # qkv, o, gate_up, down
+    # GGUF's fp16 block scales and minimums stay 16-bit in the panels: 0.625 bytes a weight
+    fused = [n for n, f in model.linear_formats.items() if f == 'w4a16']
+    assert all(model.tensors[f'{n}.{p}'].dtype == torch.float16 for n in fused for p in ('scales', 'mins'))
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokens = [t + 100 for t in random_tokens(40, seed=9)]
     ours = tm_chunked(model, tokens, prefill_chunks=[24])

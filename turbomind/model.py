@@ -104,11 +104,19 @@ def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
             for n in names}
 
 
+def _narrowed(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` as float16 when that holds every value exactly (GGUF's fp16 block scales
+    and minimums), else itself."""
+    half = t.half()
+    return half if torch.equal(half.float(), t) else t
+
+
 def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every float matmul weight [N, K] of ``fuse_weights``' output -> the panels the C++ GEMM
     reads, [ceil(N / 16), K, 16] (``ops.pack_linear``; csrc/kernels/cpu/gemm.h), under the same
     name, in place: each row-major copy is let go as soon as its panels exist; W4A16 ones
-    (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``). A tied
+    (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``), the
+    scales and mins in float16 where that loses nothing (a quarter fewer bytes per weight). A tied
     lm_head (the ``embed`` tensor itself) becomes the only copy of the embedding: C++ reads its
     rows out of the panels. The small tensors left (norms, biases) get memory of their own, so
     that none keeps a memory-mapped checkpoint resident once its weights are packed."""
@@ -118,9 +126,12 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     w4a16 = [n[:-len('.mins')] for n in tensors if n.endswith('.mins') and tensors[n].dim() == 2]
     for base in w4a16:
         q, s, m = (tensors[f'{base}.{f}'] for f in ('qweight', 'scales', 'mins'))
+        s, m = _narrowed(s), _narrowed(m)
+        if s.dtype != m.dtype:
+            s, m = s.float(), m.float()
         panels = (q.shape[0] + 63) // 64  # W4A16 panels are 64 wide
         qp = torch.empty(panels, q.shape[1] // 4, 64, dtype=torch.int32)
-        sp, mp = torch.empty(panels, s.shape[1], 64), torch.empty(panels, s.shape[1], 64)
+        sp, mp = (torch.empty(panels, s.shape[1], 64, dtype=s.dtype) for _ in range(2))
         _turbomind.ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
     for name in list(tensors):

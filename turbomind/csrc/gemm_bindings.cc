@@ -67,11 +67,11 @@ void check_w4a16_panels(const TensorView & q, const TensorView & s, const Tensor
     expect(q.ndim == 3 && q.contiguous() && q.dtype == DType::i32 && q.size(2) == W, "qpanels", q,
            "must be a contiguous int32 [P4, K / 8, 64] tensor (ops.pack_w4a16)");
     const int64_t P = q.size(0), K = q.size(1) * 8;
-    expect(s.ndim == 3 && s.contiguous() && s.dtype == DType::f32 && s.size(0) == P && s.size(2) == W &&
-           s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 32 == 0, "spanels", s,
-           "must be a contiguous float32 [P4, K / G, 64] tensor with qpanels' P4 and G a multiple of 32");
-    expect(m.ndim == 3 && m.contiguous() && m.dtype == DType::f32 && m.size(0) == P && m.size(1) == s.size(1) &&
-           m.size(2) == W, "mpanels", m, "must have spanels' shape, float32");
+    expect(s.ndim == 3 && s.contiguous() && (s.dtype == DType::f32 || s.dtype == DType::f16) && s.size(0) == P &&
+           s.size(2) == W && s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 32 == 0, "spanels", s,
+           "must be a contiguous float32 or float16 [P4, K / G, 64] tensor with qpanels' P4 and G a multiple of 32");
+    expect(m.ndim == 3 && m.contiguous() && m.dtype == s.dtype && m.size(0) == P && m.size(1) == s.size(1) &&
+           m.size(2) == W, "mpanels", m, "must have spanels' shape and dtype");
 }
 
 int64_t num_w4a16_panels(int64_t N) { return (N + cpu::kW4A16PanelWidth - 1) / cpu::kW4A16PanelWidth; }
@@ -82,11 +82,11 @@ void pack_w4a16(py::handle q_h, py::handle s_h, py::handle m_h, py::handle qp_h,
     expect(q.ndim == 2 && q.contiguous() && q.dtype == DType::u8 && q.size(1) % 4 == 0, "qweight", q,
            "must be a contiguous uint8 [N, K / 2] tensor, K a multiple of 8");
     const int64_t N = q.size(0), K = q.size(1) * 2;
-    expect(s.ndim == 2 && s.contiguous() && s.dtype == DType::f32 && s.size(0) == N, "scales", s,
-           "must be a contiguous float32 [N, K / G] tensor");
-    expect(m.ndim == 2 && m.contiguous() && m.dtype == DType::f32 && m.size(0) == N && m.size(1) == s.size(1), "mins",
-           m, "must have scales' shape, float32");
     check_w4a16_panels(qp, sp, mp);
+    expect(s.ndim == 2 && s.contiguous() && s.dtype == sp.dtype && s.size(0) == N, "scales", s,
+           std::string("must be a contiguous [N, K / G] tensor of spanels' dtype, ") + dtype_name(sp.dtype));
+    expect(m.ndim == 2 && m.contiguous() && m.dtype == sp.dtype && m.size(0) == N && m.size(1) == s.size(1), "mins",
+           m, "must have scales' shape and dtype");
     expect(qp.size(0) == num_w4a16_panels(N) && qp.size(1) == K / 8 && sp.size(1) == s.size(1), "qpanels", qp,
            "must be " + panels_shape(N, K / 8, cpu::kW4A16PanelWidth) + " (and spanels, mpanels [P4, K / G, 64]) "
            "for qweight " + shape_str(q));
@@ -102,10 +102,10 @@ void unpack_w4a16(py::handle qp_h, py::handle sp_h, py::handle mp_h, py::handle 
     bool ok = q.ndim == 2 && q.contiguous() && q.dtype == DType::u8 && q.size(1) == qp.size(1) * 4 &&
               num_w4a16_panels(N) == qp.size(0);
     for (const TensorView * t : {&s, &m}) {
-        ok = ok && t->ndim == 2 && t->contiguous() && t->dtype == DType::f32 && t->size(0) == N &&
+        ok = ok && t->ndim == 2 && t->contiguous() && t->dtype == sp.dtype && t->size(0) == N &&
              t->size(1) == sp.size(1);
     }
-    expect(ok, "qweight", q, "qweight uint8 [N, K / 2], scales and mins float32 [N, K / G] must fit the panels");
+    expect(ok, "qweight", q, "qweight uint8 [N, K / 2], scales and mins [N, K / G] in spanels' dtype must fit the panels");
     py::gil_scoped_release release;
     cpu::unpack_w4a16(qp, sp, mp, q, s, m);
 }

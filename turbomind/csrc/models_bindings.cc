@@ -111,8 +111,10 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
                 if (w4 && s.ndim == 3) {  // W4A16 in panels 64 wide
                     const int64_t P4 = (N + 63) / 64;
                     lw.qweight = raw(name + ".qweight", DType::i32, {P4, K / 8, 64});
-                    lw.mins = raw(name + ".mins", DType::f32, {P4, groups, 64});
-                    lw.scales = raw(sn, DType::f32, {P4, groups, 64});
+                    // scales and mins in float16 where that loses nothing (lmd.turbomind.model.pack_matmuls)
+                    const DType st = s.dtype == DType::f16 ? DType::f16 : DType::f32;
+                    lw.mins = raw(name + ".mins", st, {P4, groups, 64});
+                    lw.scales = raw(sn, st, {P4, groups, 64});
                 } else {
                     lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
                     if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});

@@ -69,15 +69,15 @@ void packed_row(const TensorView & packed, int64_t n, void * out) {
 
 namespace {
 
-// fn(p0, p1) for each thread's 16-column panels [p0, p1) (contiguous, split at multiples of
-// `align`: the weights are read once in all), on as many threads as pay for themselves (below
-// ~64k multiply-adds a second one costs more than it saves).
+// fn(p0, p1) for each thread's 16-column panels [p0, p1) (contiguous: the weights are read
+// once in all), on as many threads as pay for themselves (below ~64k multiply-adds a second
+// one costs more than it saves).
 template <typename Fn>
-void split_panels(int64_t M, int64_t N, int64_t K, int64_t align, Fn && fn) {
-    const int64_t P = num_panels(N), units = (P + align - 1) / align;
-    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), units, std::max<int64_t>(1, M * N * K >> 16)}));
+void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
+    const int64_t P = num_panels(N);
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), P, std::max<int64_t>(1, M * N * K >> 16)}));
     parallel(threads, [&](int t, int nt) {
-        const int64_t p0 = std::min(P, units * t / nt * align), p1 = std::min(P, units * (t + 1) / nt * align);
+        const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
         if (p0 < p1) fn(p0, p1);
     });
 }
@@ -102,7 +102,7 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
     if (reference || !use_avx2()) {
-        split_panels(M, N, K, 1, [&](int64_t p0, int64_t p1) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
             ref::linear_packed_rows(x, packed, bias, y, p0 * kPanelWidth, std::min(N, p1 * kPanelWidth));
         });
         return;
@@ -110,7 +110,7 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     std::vector<float> converted;
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
-    split_panels(M, N, K, 1, [&](int64_t p0, int64_t p1) {
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
         avx2::linear_packed_panels(xf, ldx, M, packed, bias, y, p0, p1);
     });
 }
@@ -147,7 +147,7 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
     if (reference || !use_avx2()) {
-        split_panels(M, N, K, kW4A16PanelWidth / kPanelWidth, [&](int64_t p0, int64_t p1) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
             ref::linear_w4a16_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
                                           std::min(N, p1 * kPanelWidth));
         });
@@ -162,7 +162,7 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
     parallel(threads, [&](int t, int nt) {
         avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
     });
-    split_panels(M, N, K, kW4A16PanelWidth / kPanelWidth, [&](int64_t p0, int64_t p1) {
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
         avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
     });
 }

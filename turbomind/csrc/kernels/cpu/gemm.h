@@ -20,8 +20,9 @@
 // stream from memory), P4 = ceil(N / 64):
 //   qpanels: int32 [P4, K / 8, 64], word (p, c, j) = the eight 4-bit q[64 p + j, 8 c + i] in
 //            nibble i (i = 0..7: the bytes of qweight's row as a little-endian word)
-//   spanels, mpanels: float32 [P4, K / G, 64], [p, g, j] = scales / mins[64 p + j, g]
-//   (zero past N).
+//   spanels, mpanels: float32 or float16 (both the same) [P4, K / G, 64], [p, g, j] =
+//   scales / mins[64 p + j, g] (zero past N); float16 when that holds them exactly (GGUF's
+//   Q4_0 / Q4_1 blocks: a quarter fewer bytes to read per weight, 0.625 instead of 0.75).
 // Result, in float32, per group g of G k (as the W4A16 kernel of quant.h, in broadcast form):
 //   D[m, n, g] = fma(xp[m, k], qp[n, k], ...) over the group's k in increasing k, from 0, where
 //                xp = x 2^(-4 j) and qp = q 2^(4 j) for j = k mod 8 < 7 (xp = x, qp = q for

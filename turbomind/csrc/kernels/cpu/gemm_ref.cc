@@ -29,8 +29,6 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
                               int64_t n1) {
     const int64_t M = x.size(0), K = x.size(1), num_groups = spanels.size(1), G = K / num_groups;
     const uint32_t * q = qpanels.ptr<uint32_t>();
-    const float * s = spanels.ptr<float>();
-    const float * mn = mpanels.ptr<float>();
     std::vector<float> xp(K), xsum(num_groups);
     for (int64_t m = 0; m < M; ++m) {
         for (int64_t k = 0; k < K; ++k) {
@@ -54,8 +52,8 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
                     d = std::fma(xp[k], static_cast<float>(qp), d);
                 }
                 const int64_t at = (p * num_groups + g) * kW4A16PanelWidth + col;
-                t = std::fma(s[at], d, t);
-                u = std::fma(mn[at], xsum[g], u);
+                t = std::fma(load_f32(spanels.data, at, spanels.dtype), d, t);
+                u = std::fma(load_f32(mpanels.data, at, mpanels.dtype), xsum[g], u);
             }
             float v = t + u;
             if (bias) v += bias->ptr<float>()[n];

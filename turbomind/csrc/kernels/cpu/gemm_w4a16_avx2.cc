@@ -33,11 +33,13 @@ __attribute__((always_inline)) inline __m256 nibble(__m256i v) {
 
 inline __m256i load_words(const int32_t * p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
 
-// The panels (gemm.h) and the prepared rows: xp [M, K], xsum [M, K / G].
+// The panels (gemm.h), their scales and mins in ST (float or f16), and the prepared rows:
+// xp [M, K], xsum [M, K / G].
+template <typename ST>
 struct W4A16 {
     const int32_t * q;
-    const float * s;
-    const float * mn;
+    const ST * s;
+    const ST * mn;
     int64_t K, G, ng;  // ng = K / G
     const float * xp;
     const float * xsum;
@@ -45,8 +47,8 @@ struct W4A16 {
     // 16-column panel p is columns 16 (p mod 4).. of 64-wide panel p / 4
     static constexpr int64_t kW4 = kW4A16PanelWidth;
     const int32_t * words(int64_t p, int64_t c) const { return q + (p / 4 * (K / 8) + c) * kW4 + p % 4 * kW; }
-    const float * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
-    const float * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+    const ST * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+    const ST * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
 
     // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
     template <int MR, int NP>
@@ -55,7 +57,7 @@ struct W4A16 {
         const float * xs = xsum + m0 * ng;
         for (int64_t g = 0; g < ng; ++g) {
             __m256 mv[2 * NP];
-            for (int i = 0; i < 2 * NP; ++i) mv[i] = _mm256_loadu_ps(mins(p + i / 2, g) + 8 * (i % 2));
+            for (int i = 0; i < 2 * NP; ++i) mv[i] = load8(mins(p + i / 2, g) + 8 * (i % 2));
             for (int m = 0; m < MR; ++m) {
                 const __m256 xb = _mm256_broadcast_ss(xs + m * ng + g);
                 for (int i = 0; i < 2 * NP; ++i) u.v[m][i] = _mm256_fmadd_ps(mv[i], xb, u.v[m][i]);
@@ -73,8 +75,8 @@ struct W4A16 {
         }
     }
 
-    // An M <= 5 tile (rows 0..MR) over NP whole panels from p, within one 64-wide panel (the
-    // threads split at multiples of four panels), all of K, converted in registers.
+    // An M <= 5 tile (rows 0..MR) over NP whole panels from p, within one 64-wide panel, all
+    // of K, converted in registers.
     template <int MR, int NP>
     Acc<MR, NP> tile(int64_t p) const {
         const int64_t ps = kW;  // elements between the tile's panels: one 64-wide panel holds them
@@ -102,8 +104,8 @@ struct W4A16 {
             // both chains advance a group at a time here, where the group's scales and mins
             // arrive together (a second pass over the mins would read them again from memory)
             for (int i = 0; i < 2 * NP; ++i) {
-                const __m256 sv = _mm256_loadu_ps(scales(p + i / 2, g) + 8 * (i % 2));
-                const __m256 mv = _mm256_loadu_ps(mins(p + i / 2, g) + 8 * (i % 2));
+                const __m256 sv = load8(scales(p + i / 2, g) + 8 * (i % 2));
+                const __m256 mv = load8(mins(p + i / 2, g) + 8 * (i % 2));
                 for (int m = 0; m < MR; ++m) {
                     t.v[m][i] = _mm256_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
                     u.v[m][i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xsum + m * ng + g), u.v[m][i]);
@@ -137,16 +139,19 @@ struct W4A16 {
 // NP of the M <= 5 tiles: MR x 2 NP chains of D, 8 to 12, cover the FMA latency.
 constexpr int small_np(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 
-template <int MR, typename YT>
-void panels_small(const W4A16 & a, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
+template <int MR, typename ST, typename YT>
+void panels_small(const W4A16<ST> & a, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
     constexpr int NP = small_np(MR);
     auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
     int64_t p = p0;
+    for (; p < p1 && p % (kW4A16PanelWidth / kW); ++p) {  // up to the next 64-wide panel
+        tile_store<MR, 1>(a.template tile<MR, 1>(p), bias_at(p), std::min<int64_t>(kW, N - p * kW), y + p * kW, ldy);
+    }
     for (; p + NP <= p1 && (p + NP) * kW <= N; p += NP) {
-        tile_store<MR, NP>(a.tile<MR, NP>(p), bias_at(p), NP * kW, y + p * kW, ldy);
+        tile_store<MR, NP>(a.template tile<MR, NP>(p), bias_at(p), NP * kW, y + p * kW, ldy);
     }
     for (; p < p1; ++p) {
-        tile_store<MR, 1>(a.tile<MR, 1>(p), bias_at(p), std::min<int64_t>(kW, N - p * kW), y + p * kW, ldy);
+        tile_store<MR, 1>(a.template tile<MR, 1>(p), bias_at(p), std::min<int64_t>(kW, N - p * kW), y + p * kW, ldy);
     }
 }
 
@@ -155,16 +160,16 @@ void panels_small(const W4A16 & a, int64_t N, const float * bias, YT * y, int64_
 // in after each group. After the last group of all, U takes the registers, and
 // y = T + U (+ bias). GC: the group size when known at compile time
 // (the common ones), else 0.
-template <int MR, int GC, typename YT>
-void tile_chunk(const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
+template <int MR, int GC, typename ST, typename YT>
+void tile_chunk(const W4A16<ST> & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
                 const float * bias, int64_t cols, YT * y, int64_t ldy) {
     const int64_t G = GC ? GC : a.G;
     for (int64_t kg = k0; kg < k0 + kc; kg += G) {
         Acc<MR, 1> d = acc_zero<MR, 1>();
         tile_steps<MR, 1>(a.xp + m0 * a.K + kg, a.K, buf + (kg - k0) * kW, 0, G, d);
-        const float * s = a.scales(p, kg / G);
+        const auto * s = a.scales(p, kg / G);
         for (int h = 0; h < 2; ++h) {
-            const __m256 sv = _mm256_loadu_ps(s + 8 * h);
+            const __m256 sv = load8(s + 8 * h);
             for (int m = 0; m < MR; ++m) {
                 const __m256 t = kg == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + m * kW + 8 * h);
                 _mm256_storeu_ps(part + m * kW + 8 * h, _mm256_fmadd_ps(sv, d.v[m][h], t));
@@ -172,7 +177,7 @@ void tile_chunk(const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, 
         }
     }
     if (k0 + kc == a.K) {
-        Acc<MR, 1> y_acc = a.mins_sum<MR, 1>(m0, p);
+        Acc<MR, 1> y_acc = a.template mins_sum<MR, 1>(m0, p);
         for (int m = 0; m < MR; ++m) {
             for (int h = 0; h < 2; ++h) {
                 y_acc.v[m][h] = _mm256_add_ps(_mm256_loadu_ps(part + m * kW + 8 * h), y_acc.v[m][h]);
@@ -182,8 +187,8 @@ void tile_chunk(const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, 
     }
 }
 
-template <int GC, typename YT>
-void tile_chunk_m(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
+template <int GC, typename ST, typename YT>
+void tile_chunk_m(int mr, const W4A16<ST> & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
                   float * part, const float * bias, int64_t cols, YT * y, int64_t ldy) {
     switch (mr) {
         case 6: tile_chunk<6, GC>(a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
@@ -195,8 +200,8 @@ void tile_chunk_m(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, in
     }
 }
 
-template <typename YT>
-void tile_chunk_g(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
+template <typename ST, typename YT>
+void tile_chunk_g(int mr, const W4A16<ST> & a, int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf,
                   float * part, const float * bias, int64_t cols, YT * y, int64_t ldy) {
     switch (a.G) {
         case 32: tile_chunk_m<32>(mr, a, m0, p, k0, kc, buf, part, bias, cols, y, ldy); break;
@@ -207,8 +212,8 @@ void tile_chunk_g(int mr, const W4A16 & a, int64_t m0, int64_t p, int64_t k0, in
 }
 
 // The GEMM for M >= 6, blocked as the float one (gemm_avx2.cc); chunks of k are whole groups.
-template <typename YT>
-void panels_gemm(const W4A16 & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
+template <typename ST, typename YT>
+void panels_gemm(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
                  int64_t p1) {
     static thread_local std::vector<float> part, buf;
     const int64_t K = a.K, kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
@@ -233,8 +238,8 @@ void panels_gemm(const W4A16 & a, int64_t M, int64_t N, const float * bias, YT *
     }
 }
 
-template <typename YT>
-void panels(const W4A16 & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
+template <typename ST, typename YT>
+void panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
     switch (M) {
         case 1: panels_small<1>(a, N, bias, y, ldy, p0, p1); break;
         case 2: panels_small<2>(a, N, bias, y, ldy, p0, p1); break;
@@ -263,18 +268,33 @@ void w4a16_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int6
     }
 }
 
+namespace {
+
+template <typename ST>
+void panels_typed(const float * xp, const float * xsum, int64_t M, const TensorView & qpanels,
+                  const TensorView & spanels, const TensorView & mpanels, const float * bias, const TensorView & y,
+                  int64_t p0, int64_t p1) {
+    const int64_t K = qpanels.size(1) * 8, ng = spanels.size(1);
+    const W4A16<ST> a{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xp, xsum};
+    const int64_t N = y.size(1), ldy = y.stride(0);
+    switch (y.dtype) {
+        case DType::f32: panels(a, M, N, bias, y.ptr<float>(), ldy, p0, p1); break;
+        case DType::bf16: panels(a, M, N, bias, y.ptr<bf16>(), ldy, p0, p1); break;
+        case DType::f16: panels(a, M, N, bias, y.ptr<f16>(), ldy, p0, p1); break;
+        default: break;
+    }
+}
+
+}  // namespace
+
 void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M, const TensorView & qpanels,
                                 const TensorView & spanels, const TensorView & mpanels, const TensorView * bias,
                                 const TensorView & y, int64_t p0, int64_t p1) {
-    const int64_t K = qpanels.size(1) * 8, ng = spanels.size(1);
-    const W4A16 a{qpanels.ptr<int32_t>(), spanels.ptr<float>(), mpanels.ptr<float>(), K, K / ng, ng, xp, xsum};
     const float * b = bias ? bias->ptr<float>() : nullptr;
-    const int64_t N = y.size(1), ldy = y.stride(0);
-    switch (y.dtype) {
-        case DType::f32: panels(a, M, N, b, y.ptr<float>(), ldy, p0, p1); break;
-        case DType::bf16: panels(a, M, N, b, y.ptr<bf16>(), ldy, p0, p1); break;
-        case DType::f16: panels(a, M, N, b, y.ptr<f16>(), ldy, p0, p1); break;
-        default: break;
+    if (spanels.dtype == DType::f16) {
+        panels_typed<f16>(xp, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
+    } else {
+        panels_typed<float>(xp, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
     }
 }
 
