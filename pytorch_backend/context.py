@@ -15,8 +15,9 @@ import torch
 
 @dataclass
 class StepContext:
-    # k_cache, v_cache per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # k_cache, v_cache per layer: [num_blocks, block_size, num_kv_heads, head_dim]; quantized
+    # (quant_policy 8 / 4): (k_cache, v_cache, k_params, v_params), see CausalLM.allocate_kv_cache
+    kv_caches: list[tuple[torch.Tensor, ...]]
     block_size: int
     # [T] int64: cache slot (block_id * block_size + offset) each new token's K/V is written to
     slot_mapping: torch.Tensor
@@ -33,7 +34,7 @@ class StepContext:
     # python copies of the lengths, so CPU kernels need no device sync
     query_lens_list: list[int]
     context_lens_list: list[int]
-    # KV-cache quantization (0: none, 8: int8, 4: int4); the quantized cache layout lands with lite
+    # KV-cache quantization (0: none, 8: int8, 4: int4)
     quant_policy: int = 0
     # what a kernel derives from the above once per step and reuses in every layer
     derived: dict = field(default_factory=dict)

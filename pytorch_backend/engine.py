@@ -61,33 +61,42 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[model_config.torch_dtype if dtype == 'auto' else dtype]
 
 
-def _check_model_format(model_dir: str, mc: ModelConfig, model_format: str | None) -> None:
-    """The PyTorch engine runs float HF checkpoints (GGUF conversions included); others are refused."""
+def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
+                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple], str]:
+    """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'; a GGUF
+    conversion's dequantized weights included), or AWQ / W8A8, detected from config.json as
+    TurboMind detects it, whose matmuls stay quantized (HF weight name -> a TurboMind layout,
+    ``lmd.turbomind.quant``). TurboMind's own layout is refused."""
+    from lmd.model_loader import load_weights
+    from lmd.turbomind.converter import source_format
+    from lmd.turbomind.quant import awq_linears, w8a8_linears
+
     if os.path.isfile(os.path.join(model_dir, TURBOMIND_CONFIG)):
         raise ModelFormatError(f'{model_dir} is in TurboMind\'s own layout (lmd convert --backend turbomind); '
                                'the PyTorch engine reads HF checkpoints: use TurbomindEngineConfig, or convert '
                                'without --backend turbomind')
-    fmt = mc.model_format if mc.model_format != 'hf' else model_format
-    if fmt in ('awq', 'w8a8'):
-        raise ModelFormatError(f'{model_dir}: {fmt} checkpoints do not run on the PyTorch engine yet '
-                               '(config.json quantization_config or model_format says so); use the TurboMind '
-                               'engine (TurbomindEngineConfig)')
+    fmt = source_format(model_dir, mc, model_format)
+    where = os.path.join(model_dir, '')
+    if fmt not in ('awq', 'w8a8'):
+        return load_weights(model_dir, dtype), {}, 'hf'
+    weights = load_weights(model_dir)  # as stored: the quantized layout keeps fp16 scales exact in float32
+    quantized = (awq_linears if fmt == 'awq' else w8a8_linears)(weights, mc.quantization_config, where)
+    stray = [f'{n!r} ({t.dtype})' for n, t in weights.items() if not t.is_floating_point()]
+    if stray:
+        raise ModelFormatError(f'{where}: {fmt} checkpoint with integer tensors that belong to no quantized '
+                               f'matmul (a scale or zero point missing?): {", ".join(stray[:4])}')
+    return weights, quantized, fmt
 
 
 class PytorchEngine(Engine):
 
     def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
-        from lmd.model_loader import load_weights
-
         from .models import build_model
         from .sampler import Sampler
 
         cfg = config or PytorchEngineConfig()
         if cfg.tp != 1:
             raise ValueError(f'PytorchEngineConfig.tp={cfg.tp} is invalid: the PyTorch engine runs on one device (tp=1)')
-        if cfg.quant_policy != 0:
-            raise ValueError(f'PytorchEngineConfig.quant_policy={cfg.quant_policy} is invalid: the PyTorch engine '
-                             'has no quantized KV cache yet; use quant_policy=0 or the TurboMind engine')
         device = torch.device(cfg.device)
         if device.type == 'cuda' and not torch.cuda.is_available():
             raise ValueError(f"PytorchEngineConfig.device={cfg.device!r} is invalid: no CUDA device here; use 'cpu'")
@@ -95,14 +104,13 @@ class PytorchEngine(Engine):
             torch.set_num_threads(cfg.num_threads)
         self.config = cfg
         self.model_config = mc = ModelConfig.from_dir(model_dir)
-        _check_model_format(model_dir, mc, cfg.model_format)
         self.dtype = resolve_dtype(cfg.dtype, mc)
         self.device = device
 
-        weights = load_weights(model_dir, self.dtype)
-        model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend)
+        weights, quantized, self.model_format = load_model_weights(model_dir, mc, cfg.model_format, self.dtype)
+        model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend, quantized)
         model.kernels.set_num_threads(torch.get_num_threads())
-        del weights
+        del weights, quantized
 
         block_size = cfg.cache_block_seq_len
         session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
@@ -111,7 +119,7 @@ class PytorchEngine(Engine):
             num_blocks = cfg.num_cache_blocks
         else:
             num_blocks = num_cache_blocks_for(model, device, block_size, cfg.cache_max_entry_count,
-                                              cfg.max_cache_memory_gib, min_blocks)
+                                              cfg.max_cache_memory_gib, min_blocks, cfg.quant_policy)
         if num_blocks * block_size < session_len:
             logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
                            session_len, num_blocks * block_size, num_blocks, block_size)

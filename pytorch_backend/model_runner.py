@@ -38,12 +38,12 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def num_cache_blocks_for(model, device: torch.device, block_size: int, cache_max_entry_count: float,
-                         max_cache_memory_gib: float | None, min_num_blocks: int) -> int:
+                         max_cache_memory_gib: float | None, min_num_blocks: int, quant_policy: int = 0) -> int:
     """How many blocks ``cache_max_entry_count`` of free memory holds (capped on CPU), at least ``min_num_blocks``."""
     budget = available_memory_bytes(device) * cache_max_entry_count
     if device.type == 'cpu' and max_cache_memory_gib is not None:
         budget = min(budget, max_cache_memory_gib * _GIB)
-    per_block = model.kv_cache_bytes_per_block(block_size)
+    per_block = model.kv_cache_bytes_per_block(block_size, quant_policy)
     num_blocks = int(budget // per_block)
     if num_blocks < min_num_blocks:
         logger.warning('KV cache: %d blocks fit in %.2f GiB, fewer than one session needs; allocating %d',
@@ -60,8 +60,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.quant_policy = quant_policy
-        # per layer (k_cache, v_cache): [num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        # per layer (k_cache, v_cache[, k_params, v_params]): CausalLM.allocate_kv_cache
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, quant_policy)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
         """Flatten the step into input_ids[T], positions[T] and a StepContext.

@@ -377,8 +377,9 @@ def test_cache_sizing_and_dtype(tiny_models, tmp_path):
     with PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=8, cache_block_seq_len=8,
                                                           dtype='float32')) as engine:
         assert engine.dtype == torch.float32
-    with pytest.raises(ValueError, match='quant_policy'):
-        PytorchEngine(str(tmp_path), PytorchEngineConfig(quant_policy=8))
+    with PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=8, quant_policy=8)) as engine:
+        assert engine.runner.kv_caches[0][0].dtype == torch.uint8  # more in tests/test_pytorch_quant.py
+        assert len(generate(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=3))[0][0]) == 3
 
 
 # ---- the real SmolLM2-135M ------------------------------------------------------------------------------

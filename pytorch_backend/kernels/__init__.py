@@ -9,7 +9,11 @@ borrows torch's for the rest; ``triton`` runs the Triton kernels of
 torch version wherever it has none of its own.
 
 A linear layer's parameters go through ``prepare_linear(weight, bias)`` once at
-load; ``linear(x, prepared)`` takes what it returned.
+load; ``linear(x, prepared)`` takes what it returned. A quantized weight (AWQ's W4A16,
+W8A8) stays quantized: the torch kernels dequantize it at each call (the reference),
+the native ones run TurboMind's quantized matmuls; the triton backend borrows torch's.
+The KV-cache kernels take ``k_params=``, ``v_params=`` for a quantized cache
+(quant_policy 8 / 4); a backend without a quantized path of its own borrows torch's.
 """
 from __future__ import annotations
 
@@ -30,13 +34,15 @@ class Kernels:
     rms_norm: Callable          # (x[T, H], weight[H], eps) -> [T, H]
     apply_rotary: Callable      # (q[T, Hq, D], k[T, Hk, D], positions[T], cos_sin_cache) -> (q, k)
     silu_and_mul: Callable      # (x[T, 2I]) -> [T, I]
+    # The three cache kernels take k_params=, v_params= too: a quantized cache (torch_ops' docstring).
     fill_kv_cache: Callable     # (k, v[T, Hk, D], k_cache, v_cache, slot_mapping[T]) -> None
     paged_attention: Callable   # (q[T, Hq, D], k_cache, v_cache, ctx, scale) -> [T, Hq, D]
     # (x[T, H], residual[T, H], weight[H], eps) -> rms_norm(residual += x)
     add_rms_norm: Callable = torch_ops.add_rms_norm
     # (qkv[T, (Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping, Hq, Hk) -> rotated q[T, Hq, D]
     rope_fill_kv: Callable = torch_ops.rope_fill_kv
-    prepare_linear: Callable = torch_ops.prepare_linear  # (weight[N, K], bias[N] | None) -> params
+    # (weight[N, K] or a quantized tuple (lmd.turbomind.quant layouts: W4A16, W8A8), bias[N] | None) -> params
+    prepare_linear: Callable = torch_ops.prepare_linear
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
     set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels
 
@@ -79,21 +85,31 @@ def _native_available() -> bool:
     return hasattr(_turbomind, 'ops')
 
 
+def _float_cache_only(kernel: Callable, reference: Callable) -> Callable:
+    """``kernel`` for a float cache, ``reference`` (torch) for a quantized one."""
+    def call(*args, k_params=None, v_params=None):
+        if k_params is None:
+            return kernel(*args)
+        return reference(*args, k_params=k_params, v_params=v_params)
+    return call
+
+
 def _triton_kernels() -> Kernels:
     try:
         from . import triton as triton_ops
     except ImportError as e:
         raise RuntimeError(f"kernel backend 'triton' needs the triton package: {e}") from None
+    fill_kv_cache = _float_cache_only(triton_ops.fill_kv_cache, torch_ops.fill_kv_cache)
     return Kernels(
         name='triton',
         rms_norm=triton_ops.rms_norm,
         apply_rotary=triton_ops.apply_rotary,
         silu_and_mul=triton_ops.silu_and_mul,
-        fill_kv_cache=triton_ops.fill_kv_cache,
-        paged_attention=triton_ops.paged_attention,
+        fill_kv_cache=fill_kv_cache,
+        paged_attention=_float_cache_only(triton_ops.paged_attention, torch_ops.paged_attention),
         add_rms_norm=lambda x, residual, weight, eps: triton_ops.rms_norm(residual.add_(x), weight, eps),
         rope_fill_kv=partial(torch_ops.rope_fill_kv, apply_rotary=triton_ops.apply_rotary,
-                             fill_kv_cache=triton_ops.fill_kv_cache),
+                             fill_kv_cache=fill_kv_cache),
     )
 
 

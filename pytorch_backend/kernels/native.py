@@ -35,26 +35,57 @@ class NativeLinear:
         self.b_handle = None if bias is None else ops.HostTensor(to_dlpack(self.bias))
         self.out_features = weight.shape[0]
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # every row count: a row's result is then bitwise the same whatever else is in the batch
+        if x.stride(-1) != 1 or x.dtype not in _DTYPES:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        ops.linear(to_dlpack(x), self.w_handle, self.b_handle, to_dlpack(y))
+        return y
 
-def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeLinear:
-    return NativeLinear(weight, bias)
+
+class NativeQuantLinear:
+    """A quantized matmul in a TurboMind layout (``lmd.turbomind.quant``) run by
+    ``ops.linear_w4a16`` (qweight, scales, mins) or ``ops.linear_w8a8`` (qweight int8, scales [N]);
+    the bias in float32, as those kernels take it."""
+    __slots__ = ('parts', 'bias', 'out_features', 'group_size')
+
+    def __init__(self, parts: tuple, bias: torch.Tensor | None):
+        self.parts = tuple(t.contiguous() for t in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = parts[0].shape[0]
+        self.group_size = parts[0].shape[1] * 2 // parts[1].shape[1] if len(parts) == 3 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        args = [to_dlpack(t) for t in (x, *self.parts)]
+        bias = None if self.bias is None else to_dlpack(self.bias)
+        if self.group_size is None:
+            ops.linear_w8a8(*args, bias, to_dlpack(y))
+        else:
+            ops.linear_w4a16(*args, bias, to_dlpack(y), self.group_size)
+        return y
 
 
-def linear(x: torch.Tensor, p: NativeLinear) -> torch.Tensor:
-    # every row count: a row's result is then bitwise the same whatever else is in the batch
-    if x.stride(-1) != 1 or x.dtype not in _DTYPES:
-        return F.linear(x, p.weight, p.bias)
-    y = torch.empty((x.shape[0], p.out_features), dtype=x.dtype)
-    ops.linear(to_dlpack(x), p.w_handle, p.b_handle, to_dlpack(y))
-    return y
+def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
+    if isinstance(weight, torch.Tensor):
+        return NativeLinear(weight, bias)
+    return NativeQuantLinear(weight, bias)
+
+
+def linear(x: torch.Tensor, p) -> torch.Tensor:
+    return p(x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    ctx: StepContext, scale: float) -> torch.Tensor:
+                    ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
+                    v_params: torch.Tensor | None = None) -> torch.Tensor:
     if q.dtype not in _DTYPES:
-        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
+        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params)
+    params = {} if k_params is None else dict(k_params=to_dlpack(k_params), v_params=to_dlpack(v_params))
     if ctx.is_decode:
-        return _decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+        return _decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, params)
     # Prefill chunks too: each new token is a query over its own visible context (the
     # tokens up to its position), so one kernel serves every row of the step, and a
     # token's attention is computed the same way in a prefill chunk as in a decode step.
@@ -65,14 +96,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         history = (ctx.context_lens - ctx.query_lens).long()[seq_of_row]
         visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
         rows = ctx.derived['native_rows'] = (ctx.block_tables.index_select(0, seq_of_row), visible)
-    return _decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale)
+    return _decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale, params)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, params: dict) -> torch.Tensor:
     out = torch.empty_like(q)
     ops.paged_decode_attention(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(block_tables),
-                               to_dlpack(context_lens), scale, to_dlpack(out))
+                               to_dlpack(context_lens), scale, to_dlpack(out), **params)
     return out
 
 
@@ -91,10 +122,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    q = torch.empty((qkv.shape[0], num_heads, k_cache.shape[-1]), dtype=qkv.dtype)
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 k_params: torch.Tensor | None = None, v_params: torch.Tensor | None = None) -> torch.Tensor:
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=qkv.dtype)
+    params = {} if k_params is None else dict(k_params=to_dlpack(k_params), v_params=to_dlpack(v_params))
     ops.rope_fill_kv(to_dlpack(qkv), to_dlpack(positions), to_dlpack(cos_sin_cache), to_dlpack(k_cache),
-                     to_dlpack(v_cache), to_dlpack(slot_mapping), to_dlpack(q), num_heads, num_kv_heads)
+                     to_dlpack(v_cache), to_dlpack(slot_mapping), to_dlpack(q), num_heads, num_kv_heads, **params)
     return q
 
 

@@ -3,12 +3,19 @@
 Layouts shared by every backend:
 - activations are token-major: ``x[T, hidden]``, ``q[T, num_heads, head_dim]``,
   ``k, v[T, num_kv_heads, head_dim]``;
-- k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+- k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; quantized
+  (quant_policy 8 / 4, TurboMind's layout) they hold uint8 codes, ``head_dim`` or
+  ``head_dim / 2`` bytes a row (two 4-bit codes a byte, low nibble = even d), and
+  k_params, v_params ``[num_blocks, block_size, num_kv_heads, 2]`` float32 (scale, zero)
+  with x = code * scale + zero: one asymmetric quantizer per (token, KV head) row,
+  K quantized after RoPE (``quantize_kv``, the rule of TurboMind's ``kv_quantize_row``);
 - cos_sin_cache: ``[max_position, rotary_dim]`` = ``cat(cos, sin)`` of the
   ``rotary_dim // 2`` frequencies, in the model dtype (HF rounds cos/sin to it too),
   applied NeoX style (``rotate_half``), as HF Llama/Qwen do.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +61,57 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), dim=-1)
 
 
-def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    return weight, bias
+def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
+    """weight: float [N, K], or a quantized matmul in a TurboMind layout (``lmd.turbomind.quant``):
+    (qweight, scales, mins) W4A16 or (qweight int8 [N, K], scales [N]) W8A8."""
+    if isinstance(weight, torch.Tensor):
+        return weight, bias
+    return (W4A16Linear if len(weight) == 3 else W8A8Linear)(*weight, bias)
 
 
-def linear(x: torch.Tensor, params: tuple) -> torch.Tensor:
+def linear(x: torch.Tensor, params) -> torch.Tensor:
     """x[T, K] @ weight[N, K].T (+ bias)."""
-    return F.linear(x, params[0], params[1])
+    if type(params) is tuple:
+        return F.linear(x, params[0], params[1])
+    return params(x)
+
+
+class W4A16Linear:
+    """4-bit weights kept packed (qweight uint8 [N, K / 2], low nibble = even k; scales, mins
+    float32 [N, K / G]); each call dequantizes them, w = q * scale + min, to x's dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None):
+        self.qweight, self.scales, self.mins, self.bias = qweight, scales, mins, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, num_groups = self.scales.shape
+        q = torch.stack([self.qweight & 0xF, self.qweight >> 4], -1).view(n, num_groups, -1)
+        w = (q.float() * self.scales[..., None] + self.mins[..., None]).view(n, -1).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class W8A8Linear:
+    """int8 weights with per-channel scales; activations quantized per token as the C++ kernel
+    does: xq = round-half-even(x * 127 / absmax(row)), y = (xq @ qweight.T) * (absmax / 127) * scales."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        self.qweight, self.scales, self.bias = qweight, scales, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xq, sx = quantize_per_token(x)
+        acc = xq.double() @ self.qweight.double().T           # the int32 dot products, exactly
+        y = acc.float() * sx[:, None] * self.scales
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[M, K] -> (xq int8 [M, K], sx float32 [M]) with x ~ xq * sx[:, None]."""
+    x = x.float()
+    absmax = x.abs().amax(-1)
+    inv = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
+    return torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int8), absmax / 127
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -69,26 +120,58 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[..., D] -> (codes uint8 [..., D * bits / 8], params float32 [..., 2] = scale, zero), in float32:
+    zero = min, scale = (max - min) / (2^bits - 1), code = round-half-even((x - zero) / scale)."""
+    x = x.float()
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    qmax = (1 << bits) - 1
+    scale = (hi - lo) / qmax
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round((x - lo) * inv).clamp_(0, qmax).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, torch.cat([scale, lo], -1)
+
+
+def dequantize_kv(codes: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_kv``: [..., D] in dtype."""
+    if bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
+    return (codes.float() * params[..., :1] + params[..., 1:]).to(dtype)
+
+
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Write k, v[T, Hk, D] into the caches at slot_mapping[T] (block_id * block_size + offset)."""
+                  slot_mapping: torch.Tensor, k_params: torch.Tensor | None = None,
+                  v_params: torch.Tensor | None = None) -> None:
+    """Write k, v[T, Hk, D] into the caches at slot_mapping[T] (block_id * block_size + offset);
+    quantized with k_params, v_params given."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, params in ((k, k_cache, k_params), (v, v_cache, v_params)):
+        if params is None:
+            cache.view(num_slots, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+            continue
+        codes, p = quantize_kv(x, 8 if cache.shape[-1] == x.shape[-1] else 4)
+        cache.view(num_slots, *cache.shape[2:]).index_copy_(0, slot_mapping, codes)
+        params.view(num_slots, *params.shape[2:]).index_copy_(0, slot_mapping, p)
 
 
 def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 apply_rotary=apply_rotary, fill_kv_cache=fill_kv_cache) -> torch.Tensor:
-    """Split a fused qkv[T, (Hq + 2 Hk) * D], rotate q and k, write k and v into the caches;
-    returns the rotated q [T, Hq, D]."""
-    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+                 apply_rotary=apply_rotary, fill_kv_cache=fill_kv_cache, k_params: torch.Tensor | None = None,
+                 v_params: torch.Tensor | None = None) -> torch.Tensor:
+    """Split a fused qkv[T, (Hq + 2 Hk) * D], rotate q and k, write k and v into the caches
+    (quantized with k_params, v_params); returns the rotated q [T, Hq, D]."""
+    num_tokens, head_dim = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
-    fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    if k_params is None:
+        fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_params=k_params, v_params=v_params)
     return q
 
 
@@ -101,14 +184,18 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    ctx: StepContext, scale: float) -> torch.Tensor:
+                    ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
+                    v_params: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens q[T, Hq, D] over each sequence's whole cached context.
 
     The new tokens of sequence i sit at positions context_len_i - query_len_i ...
     context_len_i - 1 and see every cached token at or before their own position.
     Returns [T, Hq, D] in q's dtype; scores and softmax run in float32 for
-    half-precision inputs (as HF eager does).
+    half-precision inputs (as HF eager does). A quantized cache (k_params, v_params)
+    is read through a dequantized copy of the blocks the step uses.
     """
+    if k_params is not None:
+        k_cache, v_cache, ctx = _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx)
     if ctx.is_decode:
         return _decode_attention(q, k_cache, v_cache, ctx, scale)
     out = torch.empty_like(q)
@@ -118,6 +205,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                               ctx_len, scale)
         start += q_len
     return out
+
+
+def _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx: StepContext):
+    """The blocks ctx.block_tables names, dequantized to q's dtype, and a ctx renumbered onto them."""
+    used, table = torch.unique(ctx.block_tables, return_inverse=True)
+    bits = 8 if k_cache.shape[-1] == q.shape[-1] else 4
+    k = dequantize_kv(k_cache[used], k_params[used], bits, q.dtype)
+    v = dequantize_kv(v_cache[used], v_params[used], bits, q.dtype)
+    return k, v, replace(ctx, block_tables=table.to(torch.int32), derived={})
 
 
 def attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -18,13 +18,15 @@ MODEL_CLASSES = {
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = 'cpu', kernel_backend: str | None = None) -> CausalLM:
-    """Build a model from HF-named weights; raises ModelFormatError when they do not fit."""
+                device: torch.device | str = 'cpu', kernel_backend: str | None = None,
+                quantized: dict[str, tuple] | None = None) -> CausalLM:
+    """Build a model from HF-named weights (and quantized matmuls: ``CausalLM``); raises
+    ModelFormatError when they do not fit."""
     cls = MODEL_CLASSES.get(config.family)
     if cls is None:
         raise ModelFormatError(f'the pytorch backend has no model for family {config.family!r} '
                                f'({config.architecture})')
-    return cls(config, weights, dtype, device, kernel_backend)
+    return cls(config, weights, dtype, device, kernel_backend, quantized)
 
 
 __all__ = ['CausalLM', 'build_model', 'MODEL_CLASSES']

@@ -9,13 +9,16 @@ The four differ only in small switches read from ``ModelConfig``:
 
 Weights load from HF names and are fused at load: q/k/v into one ``qkv``
 ([(Hq + 2 Hk) * D, H]) and gate/up into one ``gate_up`` ([2 I, H]), so a layer
-runs four matmuls. The decoder loop lives in ``CausalLM.forward`` on purpose: a
+runs four matmuls. The matmuls of an AWQ or W8A8 checkpoint come in ``quantized``
+(HF weight name -> a TurboMind layout, ``lmd.turbomind.quant``) and stay quantized,
+fused the same way (their parts concatenated along N). The decoder loop lives in ``CausalLM.forward`` on purpose: a
 decode step is Python-overhead bound at small batch, and the loop touches plain
 tensors rather than module trees.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,16 +37,17 @@ _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor          # [H]
-    qkv_weight: torch.Tensor          # [(Hq + 2 Hk) * D, H]
+    # float [N, K], or a quantized tuple (qweight, scales[, mins]) standing for it
+    qkv_weight: torch.Tensor | tuple  # [(Hq + 2 Hk) * D, H]
     qkv_bias: torch.Tensor | None     # [(Hq + 2 Hk) * D]
     q_norm: torch.Tensor | None       # [D] (Qwen3)
     k_norm: torch.Tensor | None       # [D] (Qwen3)
-    o_weight: torch.Tensor            # [H, Hq * D]
+    o_weight: torch.Tensor | tuple    # [H, Hq * D]
     o_bias: torch.Tensor | None       # [H]
     post_norm: torch.Tensor           # [H]
-    gate_up_weight: torch.Tensor      # [2 I, H]
+    gate_up_weight: torch.Tensor | tuple  # [2 I, H]
     gate_up_bias: torch.Tensor | None  # [2 I]
-    down_weight: torch.Tensor         # [H, I]
+    down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
     # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
     qkv: object = None
@@ -117,14 +121,24 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None
                                + '; '.join(problems[:8]) + more)
 
 
+def _dense_shape(parts: tuple) -> tuple[int, int]:
+    """[N, K] of the weight a quantized tuple stands for (W4A16 packs two values a byte)."""
+    n, cols = parts[0].shape
+    return n, cols * 2 if len(parts) == 3 else cols
+
+
 class CausalLM:
     """A Llama-family decoder over a paged KV cache; see the module docstring."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = 'cpu', kernel_backend: str | None = None):
+                 device: torch.device | str = 'cpu', kernel_backend: str | None = None,
+                 quantized: dict[str, tuple] | None = None):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
-        check_weights(config, weights)
+        quantized = quantized or {}
+        # quantized matmuls are checked by the shape of the weight they stand for
+        check_weights(config, {**weights, **{n: torch.empty(_dense_shape(q), device='meta')
+                                             for n, q in quantized.items()}})
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -146,7 +160,13 @@ class CausalLM:
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in weights else None
 
-        def cat(names: list[str]) -> torch.Tensor | None:
+        def cat(names: list[str]) -> torch.Tensor | tuple | None:
+            parts = [quantized.get(n) for n in names]
+            if any(q is not None for q in parts):
+                if None in parts or len({(len(q), q[1].shape[1:]) for q in parts}) != 1:
+                    raise ModelFormatError(f'{config.architecture}: {", ".join(names)} mix quantized formats '
+                                           'or group sizes; they are fused into one matmul')
+                return tuple(torch.cat(fields, dim=0).to(self.device).contiguous() for fields in zip(*parts))
             if names[0] not in weights:
                 return None
             return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
@@ -165,12 +185,12 @@ class CausalLM:
                 qkv_bias=cat([attn + f'{x}_proj.bias' for x in 'qkv']),
                 q_norm=maybe(attn + 'q_norm.weight'),
                 k_norm=maybe(attn + 'k_norm.weight'),
-                o_weight=get(attn + 'o_proj.weight'),
+                o_weight=cat([attn + 'o_proj.weight']),
                 o_bias=maybe(attn + 'o_proj.bias'),
                 post_norm=get(p + 'post_attention_layernorm.weight'),
                 gate_up_weight=cat([mlp + 'gate_proj.weight', mlp + 'up_proj.weight']),
                 gate_up_bias=cat([mlp + 'gate_proj.bias', mlp + 'up_proj.bias']),
-                down_weight=get(mlp + 'down_proj.weight'),
+                down_weight=cat([mlp + 'down_proj.weight']),
                 down_bias=maybe(mlp + 'down_proj.bias'),
             ))
             self.layers[-1].prepare(self.kernels)
@@ -179,20 +199,34 @@ class CausalLM:
 
     # -- KV cache -------------------------------------------------------------------------------
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, quant_policy: int = 0) -> list[tuple]:
         """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hk, D]; zero-filled for
         kernels that read padded contexts, so masked padding never multiplies garbage
-        (0 * NaN) into the output."""
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        (0 * NaN) into the output. quant_policy 8 / 4: per layer (k_cache, v_cache, k_params,
+        v_params), the caches uint8 [num_blocks, block_size, Hk, D * bits / 8] and the params
+        float32 [num_blocks, block_size, Hk, 2] (scale, zero; kernels/torch_ops.py)."""
+        if quant_policy not in (0, 4, 8):
+            raise ValueError(f'quant_policy={quant_policy} is invalid: use 0 (no KV quantization), 8 or 4')
+        if quant_policy == 4 and self.head_dim % 2:
+            raise ValueError(f'quant_policy=4 packs two codes a byte: head_dim {self.head_dim} must be even')
         # The native kernels read only slots that were written, so on the CPU the cache
         # can stay untouched (pages are committed as they fill, not all at start).
-        alloc = torch.empty if self.kernels.name == 'native' else torch.zeros
-        return [(alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
+        alloc = partial(torch.empty if self.kernels.name == 'native' else torch.zeros, device=self.device)
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if not quant_policy:
+            return [(alloc(shape, dtype=self.dtype), alloc(shape, dtype=self.dtype)) for _ in range(self.num_layers)]
+        codes = (*shape[:3], self.head_dim * quant_policy // 8)
+        return [(alloc(codes, dtype=torch.uint8), alloc(codes, dtype=torch.uint8),
+                 alloc((*shape[:3], 2), dtype=torch.float32), alloc((*shape[:3], 2), dtype=torch.float32))
                 for _ in range(self.num_layers)]
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+    def kv_cache_bytes_per_block(self, block_size: int, quant_policy: int = 0) -> int:
+        """K and V of every layer: D elements a row, or D * bits / 8 bytes of codes and 8 of params."""
+        if quant_policy:
+            row = self.head_dim * quant_policy // 8 + 8
+        else:
+            row = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * row
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -211,7 +245,9 @@ class CausalLM:
         # the residual stream is updated in place: add_rms_norm(delta, residual) adds, then normalises
         residual = F.embedding(input_ids, self.embed_tokens)
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, ctx.kv_caches):
+        for layer, cache in zip(self.layers, ctx.kv_caches):
+            k_cache, v_cache = cache[0], cache[1]
+            kv_params = {} if len(cache) == 2 else dict(k_params=cache[2], v_params=cache[3])
             # attention block
             if delta is None:
                 x = rms_norm(residual, layer.input_norm, eps)
@@ -220,10 +256,10 @@ class CausalLM:
             qkv = linear(x, layer.qkv)
             if layer.q_norm is None:
                 q = kern.rope_fill_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                                      num_kv_heads)
+                                      num_kv_heads, **kv_params)
             else:  # Qwen3 normalises q and k per head before RoPE
-                q = self._qk_norm_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, ctx, scale)
+                q = self._qk_norm_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping, kv_params)
+            o = paged_attention(q, k_cache, v_cache, ctx, scale, **kv_params)
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
             # MLP block
             x = add_rms_norm(delta, residual, layer.post_norm, eps)
@@ -231,7 +267,8 @@ class CausalLM:
         return add_rms_norm(delta, residual, self.norm, eps)
 
     def _qk_norm_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           kv_params: dict) -> torch.Tensor:
         kern = self.kernels
         num_tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -240,7 +277,7 @@ class CausalLM:
         q = kern.rms_norm(q, layer.q_norm, self.eps)
         k = kern.rms_norm(k, layer.k_norm, self.eps)
         q, k = kern.apply_rotary(q, k, positions, self.cos_sin_cache)
-        kern.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        kern.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, **kv_params)
         return q
 
     __call__ = forward

@@ -1,0 +1,178 @@
+"""Perplexity of a model on held-out text, measured the same way for every format and backend.
+
+The method: tokenize the whole text once, without BOS or any special token (the windows start
+mid-text anyway, and the number then depends on the weights alone); take ``num_windows``
+consecutive, non-overlapping windows of ``window`` tokens from the start; score each one
+alone from an empty KV cache, teacher-forced in one forward pass: the NLL of tokens
+1 .. window - 1 given their prefix. ``ppl = exp(mean NLL over every scored token)``.
+
+Backends: 'turbomind' (the C++ model), 'pytorch' (the PyTorch engine's model), each with the
+checkpoint's format (float, AWQ, W8A8, a GGUF conversion's quantized matmuls) and
+``quant_policy`` for the KV cache; 'hf' is HF ``transformers`` on the float checkpoint, the
+reference. The engines' models run directly, one full-sequence forward per window, no sampling.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable
+
+import torch
+
+BACKENDS = ('turbomind', 'pytorch', 'hf')
+_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
+BLOCK_SIZE = 64
+
+Scorer = Callable[[list[int]], torch.Tensor]  # window ids -> float32 logits [window, vocab]
+
+
+def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str | None = None,
+             quant_policy: int = 0, backend: str = 'turbomind', dtype: str = 'float32', window: int = 512,
+             num_windows: int = 12) -> dict:
+    """Perplexity of ``model_path`` ('smollm2', a hub id, a directory or a GGUF file) on
+    ``text_file`` (UTF-8 text) or the built-in held-out prose (``calib_data.builtin_text('eval')``).
+
+    Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored), ``windows``, ``window``,
+    ``seconds`` (scoring), ``load_seconds``, and the settings that ran (``backend``,
+    ``model_format``, ``quant_policy``, ``dtype``).
+    """
+    from lmd.model_path import prepare_model_dir
+    from lmd.tokenizer import Tokenizer
+
+    _check_args(backend, quant_policy, dtype, window, num_windows, model_format)
+    text = _read_text(text_file)
+    model_dir = prepare_model_dir(model_path)
+    ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)
+    need = window * num_windows
+    if len(ids) < need:
+        source = text_file or 'the built-in eval text'
+        raise ValueError(f'{source} has {len(ids)} tokens, fewer than num_windows * window = {num_windows} * '
+                         f'{window} = {need}; {len(ids) // window} windows of {window} tokens fit')
+
+    start = time.perf_counter()
+    score, fmt = _SCORERS[backend](model_dir, model_format, quant_policy, dtype, window)
+    load_seconds = time.perf_counter() - start
+    total_nll, num_scored = 0.0, 0
+    start = time.perf_counter()
+    for w in range(num_windows):
+        chunk = ids[w * window:(w + 1) * window]
+        logits = score(chunk)
+        logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+        total_nll -= logprobs.gather(1, torch.tensor(chunk[1:])[:, None]).sum().item()
+        num_scored += window - 1
+    seconds = time.perf_counter() - start
+    nll = total_nll / num_scored
+    return dict(ppl=math.exp(nll), nll=nll, tokens=num_scored, windows=num_windows, window=window,
+                seconds=seconds, load_seconds=load_seconds, backend=backend, model_format=fmt,
+                quant_policy=quant_policy, dtype=dtype)
+
+
+def _check_args(backend, quant_policy, dtype, window, num_windows, model_format) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f'backend={backend!r} is invalid: choose one of {", ".join(BACKENDS)}')
+    if quant_policy not in (0, 4, 8):
+        raise ValueError(f'quant_policy={quant_policy!r} is invalid: use 0 (float KV cache), 8 or 4')
+    if backend == 'hf' and quant_policy:
+        raise ValueError(f"quant_policy={quant_policy} needs backend 'turbomind' or 'pytorch': "
+                         "the 'hf' reference has a float KV cache only")
+    if dtype not in _DTYPES:
+        raise ValueError(f'dtype={dtype!r} is invalid: choose one of {", ".join(_DTYPES)}')
+    if not isinstance(window, int) or window < 2:
+        raise ValueError(f'window={window!r} is invalid: a window needs at least 2 tokens')
+    if not isinstance(num_windows, int) or num_windows < 1:
+        raise ValueError(f'num_windows={num_windows!r} is invalid: score at least one window')
+    if model_format not in (None, 'hf', 'awq', 'w8a8', 'gguf'):
+        raise ValueError(f"model_format={model_format!r} is invalid: choose None (detect), 'hf', 'awq', "
+                         "'w8a8' or 'gguf'")
+
+
+def _read_text(text_file: str | None) -> str:
+    from .calib_data import builtin_text
+    if text_file is None:
+        return builtin_text('eval')
+    if not os.path.isfile(text_file):
+        raise FileNotFoundError(f'text_file {text_file!r} does not exist')
+    try:
+        with open(text_file, encoding='utf-8') as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f'text_file {text_file!r} is not UTF-8 text: {e}') from None
+    if not text.strip():
+        raise ValueError(f'text_file {text_file!r} is empty')
+    return text
+
+
+def _resolve_dtype(dtype: str, model_dir: str) -> torch.dtype:
+    from lmd.model_config import ModelConfig
+    from lmd.pytorch_backend.engine import resolve_dtype
+    return resolve_dtype(dtype, ModelConfig.from_dir(model_dir))
+
+
+def _turbomind_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
+    from lmd.model_config import ModelConfig
+    from lmd.turbomind import _turbomind
+    from lmd.turbomind.converter import load_fused
+    from lmd.turbomind.model import TurbomindModel
+
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = _resolve_dtype(dtype, model_dir)
+    tensors, fmt = load_fused(model_dir, config, torch_dtype, model_format)
+    num_blocks = -(-window // BLOCK_SIZE)
+    model = TurbomindModel.from_fused(config, tensors, torch_dtype, num_blocks, BLOCK_SIZE, quant_policy)
+    del tensors
+    _turbomind.ops.set_num_threads(torch.get_num_threads())
+
+    def score(ids: list[int]) -> torch.Tensor:
+        # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
+        n = len(ids)
+        rows = torch.arange(n)
+        tables = torch.arange(-(-n // BLOCK_SIZE), dtype=torch.int32).expand(n, -1).contiguous()
+        return model.forward(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
+    return score, fmt
+
+
+def _pytorch_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
+    from lmd.model_config import ModelConfig
+    from lmd.pytorch_backend.context import StepContext
+    from lmd.pytorch_backend.engine import load_model_weights
+    from lmd.pytorch_backend.models import build_model
+
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = _resolve_dtype(dtype, model_dir)
+    weights, quantized, fmt = load_model_weights(model_dir, config, model_format, torch_dtype)
+    model = build_model(config, weights, torch_dtype, 'cpu', None, quantized)
+    del weights, quantized
+    model.kernels.set_num_threads(torch.get_num_threads())
+    num_blocks = -(-window // BLOCK_SIZE)
+    caches = model.allocate_kv_cache(num_blocks, BLOCK_SIZE, quant_policy)
+
+    def score(ids: list[int]) -> torch.Tensor:
+        n = len(ids)
+        lens = torch.tensor([n], dtype=torch.int32)
+        ctx = StepContext(kv_caches=caches, block_size=BLOCK_SIZE, slot_mapping=torch.arange(n), query_lens=lens,
+                          cu_query_lens=torch.tensor([0, n], dtype=torch.int32), context_lens=lens,
+                          block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], is_decode=n == 1,
+                          query_lens_list=[n], context_lens_list=[n], quant_policy=quant_policy)
+        return model.compute_logits(model.forward(torch.tensor(ids), torch.arange(n), ctx))
+    return score, fmt
+
+
+def _hf_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
+    import transformers
+
+    from lmd.model_config import ModelConfig
+    declared = ModelConfig.from_dir(model_dir).model_format
+    if declared != 'hf' or model_format not in (None, 'hf'):
+        raise ValueError(f"backend 'hf' is the float reference: it reads float checkpoints only, and {model_dir} "
+                         f"is {declared!r} (model_format={model_format!r}); use backend 'turbomind' or 'pytorch'")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, model_dir))
+    model.eval()
+
+    @torch.inference_mode()
+    def score(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids])).logits[0].float()
+    return score, 'hf'
+
+
+_SCORERS = {'turbomind': _turbomind_scorer, 'pytorch': _pytorch_scorer, 'hf': _hf_scorer}
