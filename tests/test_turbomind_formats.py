@@ -167,9 +167,9 @@ def test_awq_checkpoint_layout_checks(tmp_path):
     assert config.model_format == 'awq'
     with pytest.raises(ModelFormatError, match="awq checkpoint .* model_format='hf'"):
         TurbomindEngine(str(tmp_path), TurbomindEngineConfig(model_format='hf', **ENGINE))
-    with pytest.raises(ModelFormatError, match='awq checkpoints do not run on the PyTorch engine'):
-        from lmd.pytorch_backend import PytorchEngine
-        PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=16))
+    from lmd.pytorch_backend import PytorchEngine
+    with PytorchEngine(str(tmp_path), PytorchEngineConfig(num_cache_blocks=16)) as engine:
+        assert engine.model_format == 'awq'
     with TurbomindEngine(str(tmp_path), TurbomindEngineConfig(model_format='awq', **ENGINE)) as engine:
         assert engine.model_format == 'awq'
         assert set(engine.model.linear_formats.values()) == {'w4a16', 'float'}  # the lm_head stays float
