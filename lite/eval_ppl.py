@@ -33,6 +33,11 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
     """Perplexity of ``model_path`` ('smollm2', a hub id, a directory or a GGUF file) on
     ``text_file`` (UTF-8 text) or the built-in held-out prose (``calib_data.builtin_text('eval')``).
 
+    ``model_format`` None reads the checkpoint as the engines do: on TurboMind a GGUF conversion
+    (``'smollm2'``) runs its 4-bit matmuls (values equal to the float weights'); 'hf' forces the
+    float weights. The HF tokenizer may warn that the text is longer than the model's maximum
+    length: the text is only tokenized whole, never run whole.
+
     Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored), ``windows``, ``window``,
     ``seconds`` (scoring), ``load_seconds``, and the settings that ran (``backend``,
     ``model_format``, ``quant_policy``, ``dtype``).
