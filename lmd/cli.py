@@ -1,4 +1,5 @@
-"""The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert [--backend turbomind]``.
+"""The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert [--backend turbomind]``,
+``lmd lite calibrate | auto_awq | smooth_quant``.
 
 Every subcommand answers ``--help``. A user's mistake (a missing model, a bad
 flag value) prints one ``lmd: error: ...`` line and exits 2, never a traceback.
@@ -21,8 +22,89 @@ def _engine_config(backend: str, **fields):
     raise ValueError(f"--backend {backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
 
 
+class Lite:
+    """lmd lite: quantize a float model. Subcommands: calibrate, auto_awq, smooth_quant."""
+
+    def calibrate(self, model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samples: int = 128,
+                  calib_seqlen: int = 512, batch_size: int = 4, dtype: str = 'float32'):
+        """Run the model over calibration text layer by layer and write the statistics of what its
+        linears see (per-channel max and mean of |x|, per-head K/V ranges) to WORK_DIR/calib_stats.safetensors.
+
+        Args:
+            model: a float Llama / Qwen2 / Qwen3 / Mistral model directory, or 'smollm2'.
+            work_dir: the directory to write.
+            calib_dataset: 'pydoc' (English prose shipped with Python), a .txt or .jsonl ("text" field) file,
+                or a Hugging Face dataset id.
+            calib_samples: how many windows of text.
+            calib_seqlen: tokens per window.
+            batch_size: windows run through a layer at once.
+            dtype: float32, bfloat16 or float16 for the model while calibrating.
+        """
+        from lmd.lite.calibrate import calibrate
+        print(f'wrote {calibrate(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size, dtype)}')
+
+    def auto_awq(self, model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samples: int = 128,
+                 calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False,
+                 w_group_size: int = 128, search_scale: bool = True, search_clip: bool = True, rtn: bool = False,
+                 dtype: str = 'float32'):
+        """Quantize a model's matmul weights to 4 bits with AWQ and write an AutoAWQ (GEMM) checkpoint
+        that TurboMind loads (model_format 'awq').
+
+        Args:
+            model: a float Llama / Qwen2 / Qwen3 / Mistral model directory, or 'smollm2'.
+            work_dir: the directory to write.
+            calib_dataset: 'pydoc', a .txt or .jsonl ("text" field) file, or a Hugging Face dataset id.
+            calib_samples: how many windows of text.
+            calib_seqlen: tokens per window.
+            batch_size: windows run through a layer at once.
+            w_bits: weight bits; 4.
+            w_sym: symmetric weights (no zero points; written with zeros of 8).
+            w_group_size: input channels per quantization group, a multiple of 32 dividing every layer's in_features.
+            search_scale: search AWQ's activation-scale exponent per group of linears (the default; LMDeploy
+                makes this opt-in); --nosearch-scale uses the fixed exponent 0.5.
+            search_clip: search a clipping range per output channel and group (AutoAWQ's auto_clip).
+            rtn: plain round-to-nearest, without calibration or scales (the baseline).
+            dtype: float32, bfloat16 or float16 for the model while calibrating.
+        """
+        from lmd.lite import awq
+        if rtn:
+            path = awq.quantize_rtn(model, work_dir, w_bits, w_sym, w_group_size, dtype)
+        else:
+            def log(i, groups):
+                ratios = ', '.join(f"{g['linears']} {g['ratio']:.2f}" for g in groups)
+                print(f'layer {i}: scale exponents {ratios}', file=sys.stderr, flush=True)
+            path = awq.auto_awq(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
+                                w_sym, w_group_size, search_scale, search_clip, dtype, log)
+        print(f'wrote {path}')
+
+    def smooth_quant(self, model: str, work_dir: str, alpha: float = 0.5, calib_dataset: str = 'pydoc',
+                     calib_samples: int = 128, calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 8,
+                     dtype: str = 'float32'):
+        """Smooth activation outliers into the weights (SmoothQuant) and quantize the matmuls to int8
+        weights per output channel; activations are quantized per token at run time (W8A8). TurboMind
+        loads the checkpoint (model_format 'w8a8').
+
+        Args:
+            model: a float Llama / Qwen2 / Qwen3 / Mistral model directory, or 'smollm2'.
+            work_dir: the directory to write.
+            alpha: how much of the activations' range moves into the weights, in [0, 1].
+            calib_dataset: 'pydoc', a .txt or .jsonl ("text" field) file, or a Hugging Face dataset id.
+            calib_samples: how many windows of text.
+            calib_seqlen: tokens per window.
+            batch_size: windows run through a layer at once.
+            w_bits: weight bits; 8.
+            dtype: float32, bfloat16 or float16 for the model while calibrating.
+        """
+        from lmd.lite.smooth_quant import smooth_quant
+        path = smooth_quant(model, work_dir, alpha, calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
+                            dtype)
+        print(f'wrote {path}')
+
+
 class CLI:
-    """lmd: LLM inference and serving. Subcommands: chat, convert. Add --help to any of them."""
+    """lmd: LLM inference and serving. Subcommands: chat, convert, lite. Add --help to any of them."""
+
+    lite = Lite()
 
     def chat(self, model_path: str | None = None, backend: str = 'pytorch', chat_template: str | None = None,
              system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,

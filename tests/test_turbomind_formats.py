@@ -24,7 +24,7 @@ from lmd.model_config import ModelConfig
 from lmd.turbomind.converter import load_fused
 from lmd.turbomind.engine import TurbomindEngine
 from lmd.turbomind.model import TurbomindModel
-from lmd.turbomind.quant import AWQ_ORDER, dequantize_w4a16, dequantize_w8a8, from_awq, quantize_w8
+from lmd.turbomind.quant import awq_pack, dequantize_w4a16, dequantize_w8a8, from_awq, quantize_w8
 from test_pytorch_engine import generate, hf_greedy, rand_prompt
 from test_turbomind_model import Runner, tm_chunked
 from tiny_models import tiny_hf_model
@@ -40,15 +40,6 @@ ENGINE = dict(dtype='float32', cache_block_seq_len=8, num_cache_blocks=128, max_
 
 
 # ---- checkpoints written by the test ---------------------------------------------------------------------
-
-def awq_pack(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [rows, cols] in 0..15 -> int32 [rows, cols // 8]: nibble i holds column AWQ_ORDER[i] of 8."""
-    q = q.to(torch.int32).reshape(q.shape[0], -1, 8)
-    packed = torch.zeros(q.shape[:2], dtype=torch.int32)
-    for i, col in enumerate(AWQ_ORDER):
-        packed |= q[:, :, col] << (4 * i)
-    return packed
-
 
 def awq_quantize(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """w [N, K] -> AutoAWQ GEMM tensors: asymmetric 4-bit per group of K, fp16 scales."""

@@ -146,6 +146,26 @@ def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, cols] in 0..15 (cols a multiple of 8) -> int32 [rows, cols // 8] in AWQ's nibble
+    order (the inverse of ``_awq_unpack``)."""
+    q = q.to(torch.int32).reshape(q.shape[0], -1, 8)
+    packed = torch.zeros(q.shape[:2], dtype=torch.int32)
+    for i, col in enumerate(AWQ_ORDER):
+        packed |= q[:, :, col] << (4 * i)
+    return packed
+
+
+def to_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An [N, K] weight w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G] (q, zeros uint8 in
+    0..15, scales fp16 [N, K // G]) -> AWQ GEMM tensors {'qweight', 'qzeros', 'scales'} (the inverse
+    of ``from_awq``)."""
+    if q.shape[0] % 8:
+        raise ValueError(f'AWQ packs 8 output channels per int32: N = {q.shape[0]} is not a multiple of 8')
+    return {'qweight': awq_pack(q.T), 'qzeros': awq_pack(zeros.T),
+            'scales': scales.to(torch.float16).T.contiguous()}
+
+
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
     """AWQ (GEMM layout) -> (qweight, scales, mins) of the [N, K] weight.
 

@@ -1,0 +1,194 @@
+"""AWQ: 4-bit weights in groups with zero points (W4A16), scaled by what the activations say.
+
+Layer by layer over the calibration samples (``calibrate.run_layers``), for each group of
+linears sharing an input (``scales.smooth_groups``):
+
+1. scale search (``search_scale``): s = mean|x|^r, normalised by sqrt(max s * min s), for r on
+   the grid 0, 1/20, ..., 19/20; the weights W * s are fake-quantized, and the group's output
+   error ||x W^T - (x / s) Q(W s)^T||^2 on a fixed sample of the calibration tokens decides r
+   (computed from the sample's gram matrix x^T x, so a step costs N K^2, not rows N K).
+   r = 0 is plain round-to-nearest, so the search never does worse than RTN on that sample.
+   1/s is folded into the producer (norm weight or preceding linear).
+2. clip search (``search_clip``, AutoAWQ's auto_clip): per output channel and group, the weight
+   range is shrunk to (1 - i/20) of its max, i < 10, where that lowers the group's partial output
+   error; q_proj and k_proj are left alone (their errors are amplified by the softmax).
+
+Then every linear is rounded to nearest (``quantize_w4``) and the checkpoint is written in
+AutoAWQ's GEMM layout (``turbomind/quant.py``), with everything else in float16.
+
+LMDeploy's ``auto_awq`` searches r only with ``--search-scale`` and otherwise uses a fixed
+smoothing; here the search is the default (it is what AWQ means and costs little), so
+``--search-scale`` is accepted as is, ``--nosearch-scale`` uses the fixed r = 0.5, and ``--rtn``
+skips calibration and scaling altogether (the baseline AWQ is compared with).
+"""
+from __future__ import annotations
+
+import torch
+
+from .calib_data import BUILTIN, calib_tokens
+from .calibrate import load_float_model, run_layers
+from .checkpoint import float_tensors, quantized_linears, write_checkpoint
+from .scales import fold_scales, group_weight, smooth_groups
+
+N_GRID = 20
+SEARCH_ROWS = 4096   # calibration tokens per linear kept for the searches
+KERNEL_GROUP = 32    # TurboMind's W4A16 kernel takes group sizes that are multiples of this
+
+
+def quantize_w4(w: torch.Tensor, group_size: int, sym: bool = False):
+    """w [N, K] -> (q uint8 [N, K] in 0..15, scales fp16 [N, K // G], zeros uint8 [N, K // G]) with
+    w ~ (q - zeros) * scales per group of G consecutive k. Asymmetric: the group's [min, max] spans
+    0..15; symmetric: max |w| is 7 steps and zeros are 8. The fp16 scales are the ones rounded with."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    if sym:
+        scales = (g.abs().amax(-1) / 7).clamp(min=1e-5).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.float32)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = ((hi - lo) / 15).clamp(min=1e-5).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    q = (torch.round(g / scales.float()[..., None]) + zeros[..., None]).clamp(0, 15)
+    return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def dequantize_w4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, scales.shape[1], -1)
+    return ((g - zeros.float()[..., None]) * scales.float()[..., None]).reshape(n, k)
+
+
+def fake_quantize_w4(w: torch.Tensor, group_size: int, sym: bool = False) -> torch.Tensor:
+    """The float32 weight ``w`` stands for once quantized."""
+    return dequantize_w4(*quantize_w4(w, group_size, sym))
+
+
+def output_error(dw: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of |x dw^T|^2 per output row, from gram = x^T x / rows: dw [N, K] -> [N]."""
+    return ((dw @ gram) * dw).sum(-1)
+
+
+def search_scale(gram: torch.Tensor, w: torch.Tensor, absmean: torch.Tensor, group_size: int, sym: bool = False,
+                 ratios=None) -> tuple[torch.Tensor, float, list[float]]:
+    """gram [K, K] of the inputs x (x^T x / rows), w [N, K] the group's weights, absmean [K] ->
+    (s [K], best r, the output error at each r). The error of x W^T against (x / s) Q(W s)^T is
+    that of the weight difference Q(W s) / s - W, a quadratic form in the gram."""
+    ratios = [i / N_GRID for i in range(N_GRID)] if ratios is None else ratios
+    errors, best = [], None
+    for r in ratios:
+        s = absmean.clamp(min=1e-4).pow(r)
+        s = s / (s.max() * s.min()).sqrt()
+        errors.append(output_error(fake_quantize_w4(w * s, group_size, sym) / s - w, gram).mean().item())
+        if best is None or errors[-1] < best[0]:
+            best = errors[-1], s, r
+    return best[1], best[2], errors
+
+
+def search_clip(gram: torch.Tensor, w: torch.Tensor, group_size: int, sym: bool = False) -> torch.Tensor:
+    """gram [K, K] of the inputs, w [N, K] -> max |w| to clamp to, [N, K // G, 1], per output channel
+    and group (AutoAWQ's auto_clip: shrink steps of 1/20, down to 0.55 of the max), chosen by the
+    error of the group's partial output (the gram's diagonal blocks)."""
+    n, k = w.shape
+    num_groups = k // group_size
+    blocks = gram.reshape(num_groups, group_size, num_groups, group_size).diagonal(dim1=0, dim2=2)
+    blocks = blocks.permute(2, 0, 1)                          # [groups, G, G]
+    wg = w.reshape(n, num_groups, group_size)
+    max0 = wg.abs().amax(-1, keepdim=True)
+    best_max, best_err = max0.clone(), torch.full(max0.shape, float('inf'))
+    for i in range(N_GRID // 2):
+        m = max0 * (1 - i / N_GRID)
+        wq = fake_quantize_w4(torch.maximum(torch.minimum(wg, m), -m).reshape(n, k), group_size, sym)
+        dw = (wq.reshape(wg.shape) - wg).transpose(0, 1)      # [groups, N, G]
+        err = ((dw @ blocks) * dw).sum(-1).T[..., None]        # [N, groups, 1]
+        better = err < best_err
+        best_err, best_max = torch.where(better, err, best_err), torch.where(better, m, best_max)
+    return best_max
+
+
+def check_bits(w_bits: int) -> None:
+    if w_bits != 4:
+        raise ValueError(f'--w-bits {w_bits} is not supported: auto_awq writes 4-bit weights '
+                         '(for 8-bit weights use lmd lite smooth_quant)')
+
+
+def check_group_size(model, w_group_size: int) -> None:
+    """ValueError naming the first linear whose in_features ``w_group_size`` does not divide (with the
+    sizes that fit), or whose out_features do not pack into AWQ's int32s."""
+    linears = quantized_linears(model)
+    fits = [g for g in (256, 128, 64, 32) if all(m.in_features % g == 0 for m in linears.values())]
+    hint = f'; sizes that fit every layer: {", ".join(map(str, fits))}' if fits else ''
+    if w_group_size < KERNEL_GROUP or w_group_size % KERNEL_GROUP:
+        raise ValueError(f'--w-group-size {w_group_size} is invalid: it must be a multiple of {KERNEL_GROUP}{hint}')
+    for name, m in linears.items():
+        if m.out_features % 8:
+            raise ValueError(f'{name} has {m.out_features} out_features; AWQ packs them 8 to an int32')
+        if m.in_features % w_group_size:
+            raise ValueError(f'--w-group-size {w_group_size} does not divide the {m.in_features} in_features of '
+                             f'{name}{hint}')
+
+
+@torch.no_grad()
+def awq_layer(layer, stats, group_size: int, sym: bool = False, ratios=None, clip: bool = False) -> list[dict]:
+    """Search and fold the scales of one decoder layer (and clip its weights) in place; returns
+    per group {'linears', 'ratio', 'errors'}."""
+    log = []
+    for producer, linears, name in smooth_groups(layer):
+        x = stats[name].samples
+        gram = x.T @ x / len(x)
+        s, ratio, errors = search_scale(gram, group_weight(linears), stats[name].absmean, group_size, sym, ratios)
+        fold_scales(producer, linears, s)
+        log.append({'linears': name, 'ratio': ratio, 'errors': errors})
+        if clip and name != 'self_attn.q_proj':  # q_proj and k_proj stay unclipped
+            gram_scaled = gram / s[:, None] / s[None, :]  # of the scaled inputs x / s
+            for linear in linears:
+                m = search_clip(gram_scaled, linear.weight.float(), group_size, sym)
+                w = linear.weight.reshape(m.shape[0], m.shape[1], -1)
+                w.copy_(torch.maximum(torch.minimum(w, m.to(w.dtype)), -m.to(w.dtype)))
+    return log
+
+
+def awq_tensors(model, group_size: int, sym: bool = False) -> dict[str, torch.Tensor]:
+    """The AWQ GEMM checkpoint's tensors of ``model``: its seven matmuls per layer rounded to nearest
+    in 4 bits, everything else (embeddings, norms, biases, an untied lm_head) in float16."""
+    from lmd.turbomind.quant import to_awq
+    linears = quantized_linears(model)
+    out = float_tensors(model, skip={f'{name}.weight' for name in linears})
+    for name, linear in linears.items():
+        for field, t in to_awq(*quantize_w4(linear.weight.detach(), group_size, sym)).items():
+            out[f'{name}.{field}'] = t
+    return out
+
+
+def _quant_config(w_group_size: int) -> dict:
+    # zero_point stays true with --w-sym: symmetric weights are written with zeros of 8
+    return dict(quant_method='awq', version='gemm', bits=4, group_size=w_group_size, zero_point=True)
+
+
+def auto_awq(model: str, work_dir: str, calib_dataset: str = BUILTIN, calib_samples: int = 128,
+             calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False,
+             w_group_size: int = 128, search_scale: bool = True, search_clip: bool = True,
+             dtype: str = 'float32', log=None) -> str:
+    """Quantize ``model`` with AWQ (see the module doc) into ``work_dir``; returns its path."""
+    check_bits(w_bits)
+    model_dir, hf, tokenizer = load_float_model(model, dtype)
+    check_group_size(hf, w_group_size)
+    tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
+    ratios = None if search_scale else [0.5]
+
+    def visit(i, layer, stats, kv):
+        groups = awq_layer(layer, stats, w_group_size, w_sym, ratios, search_clip)
+        if log is not None:
+            log(i, groups)
+
+    run_layers(hf, tokens, batch_size, visit, keep_rows=SEARCH_ROWS)
+    return write_checkpoint(work_dir, model_dir, awq_tensors(hf, w_group_size, w_sym), _quant_config(w_group_size))
+
+
+def quantize_rtn(model: str, work_dir: str, w_bits: int = 4, w_sym: bool = False, w_group_size: int = 128,
+                 dtype: str = 'float32') -> str:
+    """Plain round-to-nearest 4-bit weights (no calibration, no scales) in the same AWQ checkpoint
+    layout: the baseline AWQ is measured against."""
+    check_bits(w_bits)
+    model_dir, hf, _ = load_float_model(model, dtype)
+    check_group_size(hf, w_group_size)
+    return write_checkpoint(work_dir, model_dir, awq_tensors(hf, w_group_size, w_sym), _quant_config(w_group_size))
