@@ -59,8 +59,8 @@ def _hub_text(repo_id: str) -> str:
         root = snapshot_download(repo_id, repo_type='dataset', allow_patterns=['*.txt', '*.jsonl'], etag_timeout=10)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f'--calib-dataset {repo_id!r} is neither '{BUILTIN}' nor a local .txt/.jsonl file, and the Hugging Face '
-                         f'Hub could not be reached to fetch it as a dataset ({type(e).__name__}: {reason}); '
+        raise ValueError(f'--calib-dataset {repo_id!r} is neither {BUILTIN!r} nor a local .txt/.jsonl file, and the '
+                         f'Hugging Face Hub could not be reached to fetch it as a dataset ({type(e).__name__}: {reason}); '
                          f"pass a local .txt or .jsonl file, or '{BUILTIN}'") from None
     files = sorted(glob.glob(os.path.join(glob.escape(root), '**', '*.txt'), recursive=True)
                    + glob.glob(os.path.join(glob.escape(root), '**', '*.jsonl'), recursive=True))
