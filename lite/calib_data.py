@@ -60,7 +60,7 @@ def _hub_text(repo_id: str) -> str:
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f'--calib-dataset {repo_id!r} is neither {BUILTIN!r} nor a local .txt/.jsonl file, and the '
-                         f'Hugging Face Hub could not be reached to fetch it as a dataset ({type(e).__name__}: {reason}); '
+                         f'Hugging Face Hub could not be reached to fetch it ({type(e).__name__}: {reason}); '
                          f"pass a local .txt or .jsonl file, or '{BUILTIN}'") from None
     files = sorted(glob.glob(os.path.join(glob.escape(root), '**', '*.txt'), recursive=True)
                    + glob.glob(os.path.join(glob.escape(root), '**', '*.jsonl'), recursive=True))
