@@ -43,6 +43,15 @@ def _earlier_output(path: str) -> bool:
     return method in ('awq', 'smooth_quant')
 
 
+def _usual_modes(path: str) -> None:
+    """The modes a plain mkdir / open would have given (the temp directory is private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+    for name in os.listdir(path):
+        os.chmod(os.path.join(path, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_dir(work_dir: str):
     """Yields a temp directory to fill; on success it becomes ``work_dir``, on error it is removed."""
@@ -57,6 +66,7 @@ def atomic_dir(work_dir: str):
     tmp = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
     try:
         yield tmp
+        _usual_modes(tmp)
         if os.path.isdir(work_dir):
             old = tempfile.mkdtemp(prefix=f'.{name}.old-', dir=parent)
             os.replace(work_dir, os.path.join(old, name))

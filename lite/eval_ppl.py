@@ -35,8 +35,7 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
 
     ``model_format`` None reads the checkpoint as the engines do: on TurboMind a GGUF conversion
     (``'smollm2'``) runs its 4-bit matmuls (values equal to the float weights'); 'hf' forces the
-    float weights. The HF tokenizer may warn that the text is longer than the model's maximum
-    length: the text is only tokenized whole, never run whole.
+    float weights.
 
     Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored), ``windows``, ``window``,
     ``seconds`` (scoring), ``load_seconds``, and the settings that ran (``backend``,

@@ -1,5 +1,5 @@
 """The ``lmd`` command (built with fire): ``lmd chat``, ``lmd convert [--backend turbomind]``,
-``lmd lite calibrate | auto_awq | smooth_quant``.
+``lmd lite calibrate | auto_awq | smooth_quant | eval_ppl``.
 
 Every subcommand answers ``--help``. A user's mistake (a missing model, a bad
 flag value) prints one ``lmd: error: ...`` line and exits 2, never a traceback.
@@ -23,7 +23,8 @@ def _engine_config(backend: str, **fields):
 
 
 class Lite:
-    """lmd lite: quantize a float model. Subcommands: calibrate, auto_awq, smooth_quant."""
+    """lmd lite: quantize a float model and measure what it costs. Subcommands: calibrate, auto_awq,
+    smooth_quant, eval_ppl."""
 
     def calibrate(self, model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samples: int = 128,
                   calib_seqlen: int = 512, batch_size: int = 4, dtype: str = 'float32'):
@@ -99,6 +100,27 @@ class Lite:
         path = smooth_quant(model, work_dir, alpha, calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
                             dtype)
         print(f'wrote {path}')
+
+    def eval_ppl(self, model: str, text: str | None = None, model_format: str | None = None, quant_policy: int = 0,
+                 backend: str = 'turbomind', dtype: str = 'float32', window: int = 512, num_windows: int = 12):
+        """Perplexity on held-out text, measured the same way for every format: NUM_WINDOWS windows of
+        WINDOW tokens from the start of the text, each scored alone from an empty cache.
+
+        Args:
+            model: a model directory (float, AWQ, W8A8), a .gguf file, or 'smollm2'.
+            text: a UTF-8 .txt file; by default English prose shipped with Python that calibration never uses.
+            model_format: None (from config.json), 'hf', 'awq', 'w8a8' or 'gguf'.
+            quant_policy: KV cache: 0 as the model, 8 int8, 4 int4.
+            backend: 'turbomind', 'pytorch', or 'hf' (HF transformers, the float reference).
+            dtype: float32, bfloat16, float16 or auto.
+            window: tokens per window.
+            num_windows: windows scored.
+        """
+        from lmd.lite.eval_ppl import eval_ppl
+        r = eval_ppl(model, text, model_format=model_format, quant_policy=quant_policy, backend=backend, dtype=dtype,
+                     window=window, num_windows=num_windows)
+        print(f"perplexity {r['ppl']:.4f} ({r['backend']}, {r['model_format']}, quant_policy {r['quant_policy']}, "
+              f"{r['dtype']}; {r['windows']} x {r['window']} tokens, {r['tokens']} scored, {r['seconds']:.1f} s)")
 
 
 class CLI:

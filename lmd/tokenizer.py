@@ -156,7 +156,8 @@ class Tokenizer:
         A text that already starts with the BOS token (a rendered chat template) does not
         get a second one.
         """
-        ids = self._hf.encode(text, add_special_tokens=add_special_tokens)
+        # verbose=False: no warning past model_max_length; the engines check prompt lengths themselves
+        ids = self._hf.encode(text, add_special_tokens=add_special_tokens, verbose=False)
         bos, bos_id = self._hf.bos_token, self._hf.bos_token_id
         if (add_special_tokens and bos and bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id
                 and text.startswith(bos)):

@@ -94,18 +94,25 @@ def test_rope_fill_quantizes_as_the_reference(bits, num_heads, num_kv_heads, hea
         assert (err <= want_params[..., :1] / 2 * 1.0001 + 1e-7).all()  # half a step at most
 
 
+def random_block_tables(context_lens: list[int], block_size: int, spare: int, g: torch.Generator):
+    """Block tables [B, max blocks] int32 that give each sequence its own blocks, in random order
+    out of a pool of the blocks needed plus ``spare``; returns (tables, pool size)."""
+    blocks_per = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(blocks_per) + spare
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(context_lens), max(blocks_per), dtype=torch.int32)
+    for b, nb in enumerate(blocks_per):
+        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    return tables, num_blocks
+
+
 @pytest.mark.parametrize('bits', [8, 4])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('context_lens,block_size', [([1], 4), ([37], 16), ([5, 64, 17], 16), ([300, 2, 129, 9], 32)])
 @pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(6, 2, 64), (9, 3, 64), (4, 2, 24), (2, 1, 128)])
 def test_attention_over_quantized_cache(bits, dtype, context_lens, block_size, num_heads, num_kv_heads, head_dim):
     g = torch.Generator().manual_seed(len(context_lens) * 7 + head_dim)
-    blocks_per = [(n + block_size - 1) // block_size for n in context_lens]
-    num_blocks = sum(blocks_per) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(context_lens), max(blocks_per), dtype=torch.int32)
-    for b, nb in enumerate(blocks_per):
-        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    tables, num_blocks = random_block_tables(context_lens, block_size, 3, g)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     rows = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 2 + 0.3 for _ in range(2)]
     (kc, vc), (kp, vp) = empty_cache(num_blocks, block_size, num_kv_heads, head_dim, bits)

@@ -20,7 +20,7 @@ from lmd.pytorch_backend import PytorchEngine
 from lmd.pytorch_backend.context import StepContext
 from lmd.pytorch_backend.kernels import native, torch_ops
 from lmd.turbomind.model import TurbomindModel
-from test_kv_quant import LOGIT_BOUND, dequantize, pack, quantize_rows, relative_error
+from test_kv_quant import LOGIT_BOUND, dequantize, pack, quantize_rows, random_block_tables, relative_error
 from test_models import make_hf_model, random_tokens
 from test_pytorch_engine import Collector, assert_no_leak, generate, rand_prompt
 from test_turbomind_formats import ENGINE, W8A8_TOLERANCE, engine_greedy, hf_logits, save_quantized, tokens
@@ -170,12 +170,7 @@ def test_attention_over_quantized_cache(bits, query_lens, context_lens):
     dequantized float copy (decode steps and prefill rows)."""
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 8
     g = torch.Generator().manual_seed(sum(context_lens))
-    blocks_per = [(n + block_size - 1) // block_size for n in context_lens]
-    num_blocks = sum(blocks_per) + 2
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(context_lens), max(blocks_per), dtype=torch.int32)
-    for b, nb in enumerate(blocks_per):
-        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    tables, num_blocks = random_block_tables(context_lens, block_size, 2, g)
     cache, params = [], []
     for _ in range(2):
         codes, p = quantize_rows(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 2, bits)

@@ -1,0 +1,47 @@
+"""The quality gates of ``lmd lite`` on SmolLM2, scaled down to run in CI: perplexity on the
+held-out prose (never seen by calibration) for float, RTN and AWQ int4 at group 64,
+SmoothQuant W8A8 and the int8 / int4 KV caches, all through TurboMind.
+
+The README's table runs the same gates at full size (``benchmark/lite_quality.py``: 128 x 512
+calibration tokens, 12 x 512 eval tokens); here calibration takes 16 x 256 tokens and the eval
+4 x 256, so a regression in the quantizers or the kernels shows up in a couple of minutes.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lmd.lite.awq import auto_awq, quantize_rtn
+from lmd.lite.eval_ppl import eval_ppl
+from lmd.lite.smooth_quant import smooth_quant
+
+CALIB = dict(calib_samples=16, calib_seqlen=256)
+EVAL = dict(window=256, num_windows=4)
+GROUP = 64  # SmolLM2's 576 takes 64 and 32, not 128
+
+
+@pytest.fixture(scope='module')
+def ppl(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp('lite_quality')
+    dirs = {'rtn': quantize_rtn(smollm2_dir, str(root / 'rtn'), w_group_size=GROUP),
+            'awq': auto_awq(smollm2_dir, str(root / 'awq'), w_group_size=GROUP, **CALIB),
+            'w8a8': smooth_quant(smollm2_dir, str(root / 'w8a8'), **CALIB)}
+    got = {name: eval_ppl(d, **EVAL)['ppl'] for name, d in dirs.items()}
+    for name, policy in (('float', 0), ('kv8', 8), ('kv4', 4)):
+        got[name] = eval_ppl(smollm2_dir, model_format='hf', quant_policy=policy, **EVAL)['ppl']
+    print({k: round(v, 3) for k, v in got.items()})
+    return got
+
+
+def test_awq_closes_at_least_half_of_rtns_gap(ppl):
+    assert ppl['float'] < ppl['awq'] < ppl['rtn'], ppl
+    assert ppl['awq'] - ppl['float'] <= 0.5 * (ppl['rtn'] - ppl['float']), ppl
+
+
+def test_w8a8_within_5_percent_of_float(ppl):
+    assert ppl['w8a8'] <= 1.05 * ppl['float'], ppl
+
+
+def test_kv_int8_within_1_percent_and_int4_below_rtn_weights(ppl):
+    assert ppl['kv8'] <= 1.01 * ppl['float'], ppl
+    # int4 KV has no gate of its own (the README reports it); it must still be a working model
+    assert ppl['float'] < ppl['kv4'] < 2 * ppl['float'], ppl
