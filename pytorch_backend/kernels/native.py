@@ -47,24 +47,24 @@ class NativeLinear:
 class NativeQuantLinear:
     """A quantized matmul in a TurboMind layout (``lmd.turbomind.quant``) run by
     ``ops.linear_w4a16`` (qweight, scales, mins) or ``ops.linear_w8a8`` (qweight int8, scales [N]);
-    the bias in float32, as those kernels take it."""
-    __slots__ = ('parts', 'bias', 'out_features', 'group_size')
+    the bias in float32, as those kernels take it; wrapped for C++ once, at load."""
+    __slots__ = ('parts', 'bias', 'handles', 'b_handle', 'out_features', 'group_size')
 
     def __init__(self, parts: tuple, bias: torch.Tensor | None):
         self.parts = tuple(t.contiguous() for t in parts)
         self.bias = None if bias is None else bias.float().contiguous()
+        self.handles = tuple(ops.HostTensor(to_dlpack(t)) for t in self.parts)
+        self.b_handle = None if self.bias is None else ops.HostTensor(to_dlpack(self.bias))
         self.out_features = parts[0].shape[0]
         self.group_size = parts[0].shape[1] * 2 // parts[1].shape[1] if len(parts) == 3 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        args = [to_dlpack(t) for t in (x, *self.parts)]
-        bias = None if self.bias is None else to_dlpack(self.bias)
         if self.group_size is None:
-            ops.linear_w8a8(*args, bias, to_dlpack(y))
+            ops.linear_w8a8(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y))
         else:
-            ops.linear_w4a16(*args, bias, to_dlpack(y), self.group_size)
+            ops.linear_w4a16(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y), self.group_size)
         return y
 
 
