@@ -95,34 +95,20 @@ void tile_chunk_m(int mr, const float * x, int64_t ldx, const float * w, int64_t
     }
 }
 
-// The GEMM for M >= 6. The rows of x go in blocks of mc (about kXBlockBytes: the block stays
-// in L2 while this thread's panels stream past it); per block, panel and kc-chunk of k, every
-// tile of kMR rows passes over the chunk (float32 in L1), the partial sums of earlier chunks
-// waiting in part[mc, 16].
+// The GEMM for M >= 6 (gemm_blocks): every tile of kMR rows passes over a kKC-chunk of the
+// panel (float32 in L1), the partial sums of earlier chunks waiting in part.
 template <typename Src, typename BT, typename YT>
 void panels_gemm(const Src & src, const float * x, int64_t ldx, int64_t M, int64_t K, int64_t N, const BT * bias,
                  YT * y, int64_t ldy, int64_t p0, int64_t p1) {
-    static thread_local std::vector<float> part, buf;
-    const int64_t mc = std::max<int64_t>(1, kXBlockBytes / (K * 4) / kMR) * kMR;
-    part.resize(std::min(M, mc) * kW);
+    static thread_local std::vector<float> buf;
     buf.resize(kKC * kW);
-    for (int64_t mb = 0; mb < M; mb += mc) {
-        const int64_t me = std::min(M, mb + mc);
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t cols = std::min<int64_t>(kW, N - p * kW);
-            const BT * bp = bias ? bias + p * kW : nullptr;
-            for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-                const int64_t kc = std::min<int64_t>(kKC, K - k0);
-                const float * w = src.chunk(p, k0, kc, buf.data());
-                const bool first = k0 == 0, last = k0 + kc == K;
-                for (int64_t m = mb; m < me; m += kMR) {
-                    const int mr = static_cast<int>(std::min<int64_t>(kMR, me - m));
-                    tile_chunk_m(mr, x + m * ldx + k0, ldx, w, kc, first, last, part.data() + (m - mb) * kW, bp,
-                                 cols, y + m * ldy + p * kW, ldy);
-                }
-            }
-        }
-    }
+    const float * w = nullptr;
+    gemm_blocks(M, K, kKC, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { w = src.chunk(p, k0, kc, buf.data()); },
+                [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
+                    tile_chunk_m(mr, x + m * ldx + k0, ldx, w, kc, k0 == 0, k0 + kc == K, part,
+                                 bias ? bias + p * kW : nullptr, std::min<int64_t>(kW, N - p * kW),
+                                 y + m * ldy + p * kW, ldy);
+                });
 }
 
 // NP of the M <= 5 tiles: 8 to 12 accumulators cover the FMA latency.

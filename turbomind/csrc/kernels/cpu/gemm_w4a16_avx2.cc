@@ -211,31 +211,18 @@ void tile_chunk_g(int mr, const W4A16<ST> & a, int64_t m0, int64_t p, int64_t k0
     }
 }
 
-// The GEMM for M >= 6, blocked as the float one (gemm_avx2.cc); chunks of k are whole groups.
+// The GEMM for M >= 6, blocked as the float one (gemm_blocks); chunks of k are whole groups.
 template <typename ST, typename YT>
 void panels_gemm(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
                  int64_t p1) {
-    static thread_local std::vector<float> part, buf;
-    const int64_t K = a.K, kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
-    const int64_t mc = std::max<int64_t>(1, kXBlockBytes / (K * 4) / kMR) * kMR;
-    part.resize(std::min(M, mc) * kW);
+    static thread_local std::vector<float> buf;
+    const int64_t kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
     buf.resize(kcs * kW);
-    for (int64_t mb = 0; mb < M; mb += mc) {
-        const int64_t me = std::min(M, mb + mc);
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t cols = std::min<int64_t>(kW, N - p * kW);
-            const float * bp = bias ? bias + p * kW : nullptr;
-            for (int64_t k0 = 0; k0 < K; k0 += kcs) {
-                const int64_t kc = std::min(kcs, K - k0);
-                a.chunk(p, k0, kc, buf.data());
-                for (int64_t m = mb; m < me; m += kMR) {
-                    const int mr = static_cast<int>(std::min<int64_t>(kMR, me - m));
-                    tile_chunk_g(mr, a, m, p, k0, kc, buf.data(), part.data() + (m - mb) * kW, bp, cols,
-                                 y + m * ldy + p * kW, ldy);
-                }
-            }
-        }
-    }
+    gemm_blocks(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf.data()); },
+                [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
+                    tile_chunk_g(mr, a, m, p, k0, kc, buf.data(), part, bias ? bias + p * kW : nullptr,
+                                 std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
+                });
 }
 
 template <typename ST, typename YT>
