@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from .chat_template import get_chat_template, to_messages
 from .engine import Engine, EngineOutput, EngineRequest, SamplingParams
+from .guided import constraint_for
 from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
 from .model_path import TURBOMIND_CONFIG, prepare_model_dir
@@ -130,7 +131,8 @@ class AsyncEngine:
             session_id = self.next_session_id()
         request = EngineRequest(session_id=session_id, token_ids=tuple(input_ids),
                                 sampling=self.sampling_params(gen, seed),
-                                sequence_start=sequence_start, sequence_end=sequence_end)
+                                sequence_start=sequence_start, sequence_end=sequence_end,
+                                constraint=constraint_for(self, gen.response_format))  # a fresh one per sample
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()

@@ -10,15 +10,28 @@ block on a model step. ``add_request`` validates the request at once and raises
 ``ValueError`` with a clear message; a request it accepted always ends with
 exactly one ``EngineOutput`` whose ``finish_reason`` is set. Callbacks run on the
 engine thread and must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+
+Structured output: a request may carry a ``constraint`` (``lmd.guided.TokenConstraint``, made
+fresh for that request). Each step the engine asks it for the tokens allowed next
+(``fill_bitmask``: int32 words, bit ``t % 32`` of word ``t // 32``), sets every other logit to
+-inf after penalties and masks, samples, and hands it the chosen token (``accept``). Logprobs stay
+those of the raw logits. The constraint lives in the request's sampling state, so preemption by
+recompute does not replay it. A stop token of the request ends it as usual; a token in
+``constraint.stop_token_ids`` ends it with 'stop' too (the grammar is complete), and
+``min_new_tokens`` does not hold back the stop tokens (the grammar decides when the text ends).
+A token the constraint refuses ends the request with 'error'.
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .messages import FinishReason, GenerationConfig
+
+if TYPE_CHECKING:
+    from .guided import TokenConstraint
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,8 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sequence_start: bool = True
     sequence_end: bool = True
+    # structured output: the request's own grammar state (see the module docstring); one request only
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,14 @@ class SessionTable:
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f'session {sid}: token id {bad} is outside the vocabulary [0, {self.vocab_size})')
+        c = request.constraint
+        if c is not None:
+            if not (callable(getattr(c, 'fill_bitmask', None)) and callable(getattr(c, 'accept', None))):
+                raise TypeError(f'session {sid}: constraint must be a TokenConstraint (fill_bitmask, accept), '
+                                f'got {type(c).__name__}')
+            if getattr(c, 'vocab_size', None) != self.vocab_size:
+                raise ValueError(f'session {sid}: the constraint was built for a vocabulary of '
+                                 f'{getattr(c, "vocab_size", None)} tokens; the model has {self.vocab_size}')
         with self._lock:
             if sid in self._active:
                 raise ValueError(f'session {sid} already has a request in flight; wait for it to finish or abort it')
