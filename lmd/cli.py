@@ -123,10 +123,67 @@ class Lite:
               f"{r['dtype']}; {r['windows']} x {r['window']} tokens, {r['tokens']} scored, {r['seconds']:.1f} s)")
 
 
+class Serve:
+    """lmd serve: put a model behind a server. Subcommands: api_server, proxy, gradio, api_client."""
+
+    def api_server(self, model_path: str | None = None, backend: str | None = None, server_name: str = '0.0.0.0',
+                   server_port: int = 23333, api_keys=None, model_name: str | None = None,
+                   chat_template: str | None = None, max_concurrent_requests: int | None = None,
+                   tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                   proxy_url: str | None = None, allow_origins=None, allow_credentials: bool = False,
+                   allow_methods='*', allow_headers='*', session_len: int | None = None,
+                   max_batch_size: int | None = None, cache_max_entry_count: float | None = None,
+                   cache_block_seq_len: int | None = None, enable_prefix_caching: bool = False,
+                   quant_policy: int = 0, model_format: str | None = None, tp: int = 1, dtype: str = 'auto',
+                   num_threads: int | None = None, device: str | None = None, log_level: str = 'INFO'):
+        """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+        /v1/models, /generate, /v1/encode, /v1/decode, /health, /metrics (docs at /docs).
+
+        Args:
+            model_path: an HF model directory, a .gguf file, an AWQ/W8A8 directory, or 'smollm2' (the default).
+            backend: 'turbomind' or 'pytorch' (default: TurboMind for what only it runs, else PyTorch).
+            server_name: the address to listen on.
+            server_port: the port to listen on.
+            api_keys: keys clients must send as "Authorization: Bearer KEY"; several separated by commas.
+            model_name: the name clients use in "model" (default: the model path's last part).
+            chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) instead of the model's.
+            max_concurrent_requests: requests generating at once; more wait in the server.
+            tool_call_parser: how to read tool calls from the output: qwen (hermes), llama3, internlm.
+            reasoning_parser: split <think> blocks into reasoning_content: deepseek-r1, qwen-qwq (qwen3).
+            proxy_url: a `lmd serve proxy` to register with at start (and leave at exit).
+            allow_origins: CORS origins allowed, separated by commas ('*' for any).
+            allow_credentials: CORS: allow credentials.
+            allow_methods: CORS methods, separated by commas.
+            allow_headers: CORS headers, separated by commas.
+            session_len: the longest context in tokens (default: the model's, at most 8192).
+            max_batch_size: requests the engine runs at once.
+            cache_max_entry_count: the fraction of free memory the KV cache may take.
+            cache_block_seq_len: tokens per KV cache block.
+            enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+            quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
+            model_format: hf, awq, w8a8 or gguf (default: from the model).
+            tp: tensor parallel degree.
+            dtype: auto, float32, bfloat16 or float16.
+            num_threads: CPU threads for the engine (default: all cores).
+            device: cpu or cuda.
+            log_level: DEBUG, INFO, WARNING or ERROR.
+        """
+        from lmd.serve.api_server import serve
+        serve(model_path, backend=backend, server_name=server_name, server_port=server_port, api_keys=api_keys,
+              model_name=model_name, chat_template=chat_template, max_concurrent_requests=max_concurrent_requests,
+              tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, proxy_url=proxy_url,
+              allow_origins=allow_origins, allow_credentials=allow_credentials, allow_methods=allow_methods,
+              allow_headers=allow_headers, session_len=session_len, max_batch_size=max_batch_size,
+              cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
+              enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy, model_format=model_format,
+              tp=tp, dtype=dtype, num_threads=num_threads, device=device, log_level=log_level)
+
+
 class CLI:
-    """lmd: LLM inference and serving. Subcommands: chat, convert, lite. Add --help to any of them."""
+    """lmd: LLM inference and serving. Subcommands: chat, convert, lite, serve. Add --help to any of them."""
 
     lite = Lite()
+    serve = Serve()
 
     def chat(self, model_path: str | None = None, backend: str = 'pytorch', chat_template: str | None = None,
              system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
