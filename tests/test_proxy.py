@@ -1,0 +1,476 @@
+"""lmd serve proxy, as a black box: real servers on 127.0.0.1 as subprocesses, the official openai client.
+
+Two kinds of nodes sit behind the proxy:
+- real lmd api_servers serving the embedded SmolLM2 (the end-to-end tests);
+- a small stand-in OpenAI server defined at the bottom of this file (run as
+  ``python tests/test_proxy.py standin ...``), whose health, speed and keys a test controls and
+  which reports what it saw (streams aborted, Authorization headers). It tests the routing
+  rules that a real model server makes slow or nondeterministic to provoke.
+"""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STANDIN_MODEL = 'standin-model'
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A subprocess serving HTTP on 127.0.0.1:port, its output in a log file."""
+
+    def __init__(self, name: str, args: list[str], port: int, log_dir, env: dict | None = None):
+        self.name, self.port = name, port
+        self.url = f'http://127.0.0.1:{port}'
+        self.log_path = os.path.join(str(log_dir), f'{name}.log')
+        self.log = open(self.log_path, 'w')
+        self.proc = subprocess.Popen([sys.executable, *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, cwd=os.path.dirname(HERE))
+
+    def wait_ready(self, path: str = '/health', timeout: float = 60.0, ok=(200, 503)):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f'{self.name} exited with {self.proc.returncode}:\n{self.output()}')
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code in ok:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f'{self.name} did not answer {path} within {timeout} s:\n{self.output()}')
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+def start_proxy(log_dir, *extra: str, interval: float = 0.5) -> Server:
+    port = free_port()
+    return Server('proxy', ['-m', 'lmd.serve.proxy', '--server-name', '127.0.0.1', '--server-port', str(port),
+                            '--health-check-interval', str(interval), '--health-check-timeout', '3', *extra],
+                  port, log_dir).wait_ready()
+
+
+def start_standin(log_dir, name: str, proxy: Server | None, *extra: str) -> Server:
+    port = free_port()
+    args = [os.path.join(HERE, 'test_proxy.py'), 'standin', '--name', name, '--port', str(port)]
+    if proxy is not None:
+        args += ['--proxy-url', proxy.url]
+    return Server(name, args + list(extra), port, log_dir).wait_ready()
+
+
+def nodes_status(proxy: Server, key: str | None = None) -> dict:
+    headers = {'Authorization': f'Bearer {key}'} if key else {}
+    r = httpx.get(proxy.url + '/nodes/status', headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return {n['url']: n for n in r.json()['nodes']}
+
+
+def wait_for(predicate, what: str, timeout: float = 20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f'timed out after {timeout} s waiting for {what}')
+
+
+def wait_nodes(proxy: Server, healthy: dict[str, bool], key: str | None = None) -> dict:
+    def ok():
+        status = nodes_status(proxy, key)
+        return status if all(url in status and status[url]['healthy'] == h for url, h in healthy.items()) else None
+    return wait_for(ok, f'node health {healthy}')
+
+
+def openai_client(server: Server, key: str = 'none', retries: int = 0):
+    import openai
+    return openai.OpenAI(base_url=server.url + '/v1', api_key=key, max_retries=retries, timeout=60)
+
+
+def stats(node: Server) -> dict:
+    return httpx.get(node.url + '/admin/stats', timeout=5).json()
+
+
+# ---- routing policy, without servers --------------------------------------------------------
+
+def _nodes(*specs):
+    from lmd.serve.proxy import Node
+    nodes = []
+    for i, (unfinished, latencies, speed) in enumerate(specs):
+        node = Node(f'http://n{i}:1', healthy=True, unfinished=unfinished, speed=speed)
+        node.latencies.extend(latencies)
+        nodes.append(node)
+    return nodes
+
+
+def _counts(nodes, strategy, draws=4000):
+    from lmd.serve.proxy import choose_node
+    rng = random.Random(0)
+    return Counter(choose_node(nodes, strategy, rng).url for _ in range(draws))
+
+
+def test_min_expected_latency_takes_least_unfinished_times_latency():
+    # 3 x 1.0 s = 3 vs 1 x 2.0 s = 2 vs 4 x 0.25 s = 1
+    nodes = _nodes((3, [1.0], None), (1, [2.0], None), (4, [0.25], None))
+    assert _counts(nodes, 'min_expected_latency', 50) == {'http://n2:1': 50}
+    # an unmeasured node counts at the mean of the measured ones: 2 x 1.5 > 1 x 2.0
+    nodes = _nodes((2, [], None), (1, [2.0], None), (1, [1.0], None))
+    assert _counts(nodes, 'min_expected_latency', 50) == {'http://n2:1': 50}
+    # idle nodes tie; ties go at random
+    counts = _counts(_nodes((0, [5.0], None), (0, [0.1], None), (2, [0.1], None)), 'min_expected_latency')
+    assert set(counts) == {'http://n0:1', 'http://n1:1'} and min(counts.values()) > 1700
+
+
+def test_min_observed_latency_takes_least_mean_latency_and_tries_new_nodes():
+    nodes = _nodes((0, [1.0, 3.0], None), (9, [1.5], None), (0, [0.5, 4.0], None))  # means 2, 1.5, 2.25
+    assert _counts(nodes, 'min_observed_latency', 50) == {'http://n1:1': 50}
+    nodes = _nodes((0, [0.1], None), (0, [], None))
+    assert _counts(nodes, 'min_observed_latency', 50) == {'http://n1:1': 50}
+
+
+def test_random_is_weighted_by_speed():
+    counts = _counts(_nodes((0, [], 3.0), (0, [], 1.0)), 'random')
+    assert 0.70 < counts['http://n0:1'] / 4000 < 0.80
+    # observed latency stands for speed; an unknown node weighs as the mean of the known ones (2 of 1+2+3)
+    counts = _counts(_nodes((0, [1.0], None), (0, [1 / 3], None), (0, [], None)), 'random')
+    assert 0.12 < counts['http://n0:1'] / 4000 < 0.21 and 0.45 < counts['http://n1:1'] / 4000 < 0.55
+    counts = _counts(_nodes((0, [], None), (0, [], None)), 'random')
+    assert 0.45 < counts['http://n0:1'] / 4000 < 0.55
+
+
+def test_bad_settings_are_named():
+    from lmd.serve.proxy import ProxyError, build_app, normalize_url
+    with pytest.raises(ValueError, match='routing.strategy .fastest. is invalid'):
+        build_app('fastest')
+    with pytest.raises(ValueError, match='health-check-interval'):
+        build_app(health_check_interval=0)
+    assert normalize_url('http://127.0.0.1:23333/') == 'http://127.0.0.1:23333'
+    for bad in ('127.0.0.1:23333', 'ftp://x:1', 'http://x:99999', '', None, 5):
+        with pytest.raises(ProxyError, match='url'):
+            normalize_url(bad)
+
+
+# ---- behind the proxy: stand-in nodes -------------------------------------------------------
+
+@pytest.fixture
+def two_standins(tmp_path):
+    proxy = start_proxy(tmp_path)
+    a = start_standin(tmp_path, 'a', proxy, '--models', STANDIN_MODEL, 'only-a')
+    b = start_standin(tmp_path, 'b', proxy, '--models', STANDIN_MODEL)
+    servers = [proxy, a, b]
+    try:
+        wait_nodes(proxy, {a.url: True, b.url: True})
+        yield proxy, a, b
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_standins_register_route_by_model_and_spread(two_standins):
+    proxy, a, b = two_standins
+    client = openai_client(proxy)
+    assert sorted(m.id for m in client.models.list().data) == ['only-a', STANDIN_MODEL]
+    for _ in range(4):
+        r = client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
+        assert r.system_fingerprint == 'a' and r.choices[0].message.content == 'a says: hi'
+    # concurrent streams: each new one goes to the node with fewer unfinished requests
+    streams = []
+    for i in range(4):
+        s = client.chat.completions.create(model=STANDIN_MODEL, stream=True, max_tokens=40,
+                                           messages=[{'role': 'user', 'content': f'stream {i}'}])
+        streams.append((s, next(iter(s)).system_fingerprint))
+    assert Counter(fp for _, fp in streams) == {'a': 2, 'b': 2}
+    status = nodes_status(proxy)
+    assert status[a.url]['unfinished'] == 2 and status[b.url]['unfinished'] == 2
+    for s, _ in streams:
+        assert ''.join(c.choices[0].delta.content or '' for c in s).endswith('39')
+    status = nodes_status(proxy)
+    assert status[a.url]['unfinished'] == 0 and status[b.url]['unfinished'] == 0
+    assert status[a.url]['requests'] == 6 and status[b.url]['requests'] == 2
+    assert status[b.url]['latency'] > 0 and sorted(status[a.url]['models']) == ['only-a', STANDIN_MODEL]
+    text = client.completions.create(model=STANDIN_MODEL, prompt='one two', max_tokens=3)
+    assert text.choices[0].text.endswith('says: one two 1 2')
+    chunks = list(client.completions.create(model=STANDIN_MODEL, prompt='one two', max_tokens=3, stream=True))
+    assert ''.join(c.choices[0].text for c in chunks) == f'{chunks[0].system_fingerprint} says: one two 1 2'
+
+
+def test_standin_errors_unknown_model_bad_json_remove(two_standins):
+    import openai
+    proxy, a, b = two_standins
+    client = openai_client(proxy)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model='nope', messages=[{'role': 'user', 'content': 'hi'}])
+    assert e.value.body['code'] == 'model_not_found' and 'nope' in e.value.body['message']
+    assert e.value.body['param'] == 'model' and e.value.body['type'] == 'invalid_request_error'
+    r = httpx.post(proxy.url + '/v1/chat/completions', content=b'{"model": ', timeout=10)
+    assert r.status_code == 400 and 'not valid JSON' in r.json()['error']['message']
+    r = httpx.post(proxy.url + '/v1/completions', json={'model': 7, 'prompt': 'x'}, timeout=10)
+    assert r.status_code == 400 and r.json()['error']['param'] == 'model'
+    r = httpx.post(proxy.url + '/nodes/add', json={'url': 'localhost:1'}, timeout=10)
+    assert r.status_code == 400 and r.json()['error']['param'] == 'url'
+    r = httpx.post(proxy.url + '/nodes/remove', json={'url': 'http://127.0.0.1:1'}, timeout=10)
+    assert r.status_code == 404 and 'http://127.0.0.1:1' in r.json()['error']['message']
+    r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url}, timeout=10)
+    assert r.status_code == 200 and r.json() == {'url': a.url, 'removed': True}
+    assert list(nodes_status(proxy)) == [b.url]
+    assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
+    for _ in range(3):
+        r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert r.system_fingerprint == 'b'
+    b.stop()  # leaves with POST /nodes/remove on shutdown
+    wait_for(lambda: not nodes_status(proxy), 'the stand-in to remove itself')
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+    assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
+
+
+def test_node_answering_5xx_on_health_gets_no_requests(two_standins):
+    proxy, a, b = two_standins
+    client = openai_client(proxy)
+    httpx.post(a.url + '/admin/health', json={'status': 503}, timeout=5)
+    status = wait_nodes(proxy, {a.url: False, b.url: True})
+    assert '503' in status[a.url]['last_error']
+    before = stats(a)['requests']
+    for _ in range(6):
+        r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert r.system_fingerprint == 'b'
+    assert stats(a)['requests'] == before
+    assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]  # only-a is down with its node
+    httpx.post(a.url + '/admin/health', json={'status': 200}, timeout=5)
+    wait_nodes(proxy, {a.url: True, b.url: True})
+    r = client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
+    assert r.system_fingerprint == 'a'
+
+
+def test_client_hang_up_closes_the_upstream_stream(two_standins):
+    proxy, a, b = two_standins
+    client = openai_client(proxy)
+    stream = client.chat.completions.create(model='only-a', stream=True, max_tokens=400,
+                                            messages=[{'role': 'user', 'content': 'long'}])
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert stats(a)['running'] == 1
+    stream.close()
+    wait_for(lambda: stats(a)['aborted'] == 1 and stats(a)['running'] == 0, 'the stand-in to see the hang-up')
+    assert nodes_status(proxy)[a.url]['unfinished'] == 0
+
+
+def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path):
+    import openai
+    # a long health interval: what keeps requests answered here is the retry, not the health check
+    proxy = start_proxy(tmp_path, interval=60)
+    a = start_standin(tmp_path, 'a', proxy)
+    b = start_standin(tmp_path, 'b', proxy)
+    try:
+        wait_nodes(proxy, {a.url: True, b.url: True})
+        client = openai_client(proxy)
+        s1 = client.chat.completions.create(model=STANDIN_MODEL, stream=True, max_tokens=400,
+                                            messages=[{'role': 'user', 'content': 'x'}])
+        it1 = iter(s1)
+        first = next(it1).system_fingerprint
+        victim, survivor = (a, b) if first == 'a' else (b, a)
+        victim.kill()
+        with pytest.raises(openai.APIError, match='dropped the stream'):
+            for _ in it1:
+                pass
+        # the proxy has not yet seen a refused connection to the victim
+        for i in range(6):
+            r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': str(i)}])
+            assert r.system_fingerprint == survivor.name
+        status = nodes_status(proxy)
+        assert status[victim.url]['healthy'] is False and status[victim.url]['failures'] >= 1
+        assert status[victim.url]['unfinished'] == 0 and status[survivor.url]['unfinished'] == 0
+        survivor.kill()
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'x'}])
+        assert e.value.status_code == 503 and e.value.body['code'] == 'no_healthy_node'
+        assert victim.url in e.value.body['message'] and survivor.url in e.value.body['message']
+    finally:
+        for s in (proxy, a, b):
+            s.stop()
+
+
+def test_api_keys(tmp_path):
+    import openai
+    proxy = start_proxy(tmp_path, '--api-keys', 'k1', 'k2')
+    # the stand-in requires k2 itself and registers with it: the proxy forwards the client's header
+    a = start_standin(tmp_path, 'a', proxy, '--api-key', 'k2')
+    try:
+        wait_nodes(proxy, {a.url: True}, key='k1')
+        for path in ('/v1/models', '/nodes/status'):
+            for headers in ({}, {'Authorization': 'Bearer wrong'}, {'Authorization': 'k1'}):
+                r = httpx.get(proxy.url + path, headers=headers, timeout=5)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()['error']['code'] == 'invalid_api_key'
+        r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url}, timeout=5)
+        assert r.status_code == 401 and a.url in nodes_status(proxy, 'k2')
+        assert httpx.get(proxy.url + '/health', timeout=5).status_code == 200  # open, for load balancers
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(proxy, 'wrong').chat.completions.create(
+                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert [m.id for m in openai_client(proxy, 'k1').models.list().data] == [STANDIN_MODEL]
+        r = openai_client(proxy, 'k2').chat.completions.create(
+            model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert r.choices[0].message.content == 'a says: hi'
+        # k1 passes the proxy, and the node, which wants k2, answers 401 itself
+        with pytest.raises(openai.AuthenticationError, match='stand-in'):
+            openai_client(proxy, 'k1').chat.completions.create(
+                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert stats(a)['auth_seen'][-2:] == ['Bearer k2', 'Bearer k1']
+    finally:
+        for s in (proxy, a):
+            s.stop()
+
+
+# ---- the stand-in node ----------------------------------------------------------------------
+
+def standin_main(argv: list[str]) -> None:
+    """A minimal OpenAI-style server: answers '<name> says: <last message>' (then counting words up
+    to max_tokens), streams one word per 20 ms, registers with a proxy like an lmd api_server."""
+    import argparse
+    import asyncio
+    from contextlib import asynccontextmanager
+
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--name', required=True)
+    parser.add_argument('--port', type=int, required=True)
+    parser.add_argument('--models', nargs='+', default=[STANDIN_MODEL])
+    parser.add_argument('--proxy-url')
+    parser.add_argument('--api-key')
+    args = parser.parse_args(argv)
+    url = f'http://127.0.0.1:{args.port}'
+    auth = {'Authorization': f'Bearer {args.api_key}'} if args.api_key else {}
+    state = {'health': 200, 'running': 0, 'aborted': 0, 'finished': 0, 'requests': 0, 'auth_seen': []}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async def register():
+            async with httpx.AsyncClient() as c:
+                r = await c.post(args.proxy_url + '/nodes/add', json={'url': url}, headers=auth)
+                r.raise_for_status()
+        task = asyncio.create_task(register()) if args.proxy_url else None
+        yield
+        if task is not None:
+            async with httpx.AsyncClient() as c:
+                await c.post(args.proxy_url + '/nodes/remove', json={'url': url}, headers=auth)
+
+    app = FastAPI(lifespan=lifespan)
+
+    def error(status, message):
+        return JSONResponse({'error': {'message': message, 'type': 'x', 'param': None, 'code': None}}, status)
+
+    @app.get('/health')
+    async def health():
+        return Response(status_code=state['health'])
+
+    @app.post('/admin/health')
+    async def set_health(request: Request):
+        state['health'] = (await request.json())['status']
+
+    @app.get('/admin/stats')
+    async def get_stats():
+        return state
+
+    @app.get('/v1/models')
+    async def models(request: Request):
+        if args.api_key and request.headers.get('authorization') != auth['Authorization']:
+            return error(401, 'stand-in: wrong key')
+        return {'object': 'list', 'data': [{'id': m, 'object': 'model', 'created': 0, 'owned_by': 'standin'}
+                                           for m in args.models]}
+
+    async def answer(request: Request, chat: bool):
+        state['requests'] += 1
+        state['auth_seen'].append(request.headers.get('authorization'))
+        if args.api_key and request.headers.get('authorization') != auth['Authorization']:
+            return error(401, 'stand-in: wrong key')
+        body = await request.json()
+        if body.get('model') not in args.models:
+            return error(404, f'stand-in: no model {body.get("model")}')
+        said = body['messages'][-1]['content'] if chat else body['prompt']
+        n = body.get('max_tokens') or 1
+        words = [f'{args.name} says: {said}'] + [f' {i}' for i in range(1, n)]
+        kind = 'chat.completion' if chat else 'text_completion'
+        head = {'id': f'{args.name}-{state["requests"]}', 'created': 0, 'model': body['model'],
+                'system_fingerprint': args.name}
+
+        def choice(text, finish):
+            if chat:
+                return {'index': 0, 'delta': {'content': text}, 'finish_reason': finish}
+            return {'index': 0, 'text': text, 'finish_reason': finish}
+
+        if not body.get('stream'):
+            content = ''.join(words)
+            c = ({'index': 0, 'message': {'role': 'assistant', 'content': content}, 'finish_reason': 'length'}
+                 if chat else {'index': 0, 'text': content, 'finish_reason': 'length'})
+            return {**head, 'object': kind, 'choices': [c]}
+
+        async def events():
+            state['running'] += 1
+            done = False
+            try:
+                for i, w in enumerate(words):
+                    chunk = {**head, 'object': kind + ('.chunk' if chat else ''),
+                             'choices': [choice(w, 'length' if i == len(words) - 1 else None)]}
+                    yield f'data: {json.dumps(chunk)}\n\n'
+                    await asyncio.sleep(0.02)
+                yield 'data: [DONE]\n\n'
+                done = True
+            finally:
+                state['running'] -= 1
+                state['finished' if done else 'aborted'] += 1
+        return StreamingResponse(events(), media_type='text/event-stream')
+
+    @app.post('/v1/chat/completions')
+    async def chat(request: Request):
+        return await answer(request, True)
+
+    @app.post('/v1/completions')
+    async def completions(request: Request):
+        return await answer(request, False)
+
+    uvicorn.run(app, host='127.0.0.1', port=args.port, log_level='warning')
+
+
+if __name__ == '__main__' and sys.argv[1:2] == ['standin']:
+    standin_main(sys.argv[2:])
