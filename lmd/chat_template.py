@@ -129,6 +129,12 @@ def tool_calls_of(i: int, msg: dict) -> list[dict]:
     return out
 
 
+def _check_tool_calls(messages: list[dict]) -> None:
+    for i, msg in enumerate(messages):
+        if msg['role'] == 'assistant' and msg.get('tool_calls'):
+            tool_calls_of(i, msg)
+
+
 def _args_json(args: dict | str) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
@@ -249,6 +255,7 @@ class RoleChatTemplate(ChatTemplate):
                tools: Sequence[dict] | None = None, **kwargs) -> str:
         messages = to_messages(messages)
         tools = to_tools(tools)
+        _check_tool_calls(messages)   # before a default system prompt shifts the indices
         if self.default_system is not None and messages[0]['role'] != 'system':
             messages = [{'role': 'system', 'content': self.default_system}] + messages
         plugin_turn = ''
@@ -396,6 +403,7 @@ class JinjaChatTemplate(ChatTemplate):
         import jinja2
         messages = to_messages(messages)
         tools = to_tools(tools)
+        _check_tool_calls(messages)   # before a default system prompt shifts the indices
         if self.default_system is not None and messages[0]['role'] != 'system':
             messages = [{'role': 'system', 'content': self.default_system}] + messages
         if not self.knows_tools:

@@ -241,3 +241,138 @@ def test_bad_messages_raise_value_error(prompt, match):
         to_messages(prompt)
     with pytest.raises(ValueError, match=match):
         BUILTIN_TEMPLATES['chatml'].render(prompt)
+
+
+# -- tools ------------------------------------------------------------------------------------------
+
+# A Qwen2.5-style template (written for this test): tools in the system prompt, calls and results.
+QWEN_TOOLS_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are helpful.' }}{%- endif %}
+{{- '\\n\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+TOOLS = [{'type': 'function', 'function': {
+    'name': 'get_weather', 'description': 'The weather in a city, in °C',
+    'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}}}]
+TOOL_CONVERSATION = [
+    {'role': 'system', 'content': SYSTEM},
+    {'role': 'user', 'content': 'Weather in Paris and 東京?'},
+    {'role': 'assistant', 'content': None, 'tool_calls': [
+        {'id': 'c1', 'type': 'function', 'function': {'name': 'get_weather', 'arguments': '{"city": "Paris"}'}},
+        {'id': 'c2', 'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': '東京'}}}]},
+    {'role': 'tool', 'tool_call_id': 'c1', 'content': '18'},
+    {'role': 'tool', 'tool_call_id': 'c2', 'content': '22'},
+]
+
+
+def _hf_messages(messages):
+    """What HF templates get: arguments as dicts."""
+    import json
+    out = []
+    for m in to_messages(messages):
+        if m.get('tool_calls'):
+            m = {**m, 'tool_calls': [{**c, 'function': {**c['function'], 'arguments': json.loads(
+                c['function']['arguments']) if isinstance(c['function']['arguments'], str)
+                else c['function']['arguments']}} for c in m['tool_calls']]}
+        out.append(m)
+    return out
+
+
+def test_jinja_template_with_tools_matches_transformers(smol):
+    template = JinjaChatTemplate(QWEN_TOOLS_TEMPLATE, smol.bos_token, '<|im_end|>')
+    assert template.knows_tools and template.knows_tool_calls
+    for messages in (TOOL_CONVERSATION, TOOL_CONVERSATION[1:2]):
+        ours = template.render(messages, tools=TOOLS)
+        expected = smol.hf_tokenizer.apply_chat_template(_hf_messages(messages), chat_template=QWEN_TOOLS_TEMPLATE,
+                                                         tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        assert ours == expected
+    text = template.render(TOOL_CONVERSATION, tools=TOOLS)
+    assert '"description": "The weather in a city, in °C"' in text   # tojson keeps unicode
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>' in text
+    assert '<tool_response>\n22\n</tool_response>' in text
+    # a bare function is wrapped as HF expects; no tools renders without the tools block
+    assert template.render(TOOL_CONVERSATION[1:2], tools=[TOOLS[0]['function']]) == template.render(
+        TOOL_CONVERSATION[1:2], tools=TOOLS)
+    assert '# Tools' not in template.render(TOOL_CONVERSATION[1:2], tools=[])
+
+
+def test_jinja_template_without_tools_gets_them_in_the_system_prompt(smol):
+    template = get_chat_template(smol, None)   # SmolLM2's template knows nothing of tools
+    assert not template.knows_tools
+    text = template.render(TOOL_CONVERSATION, tools=TOOLS)
+    assert text.startswith('<|im_start|>system\nYou are terse.\n\n# Tools\n')
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n') in text
+    assert '<|im_start|>user\n<tool_response>\n18\n</tool_response>\n<tool_response>\n22\n</tool_response>' in text
+    # without tools the template renders as before
+    assert template.render(CONVERSATION, tools=None) == template.render(CONVERSATION)
+
+
+def test_builtin_hermes_tools():
+    text = BUILTIN_TEMPLATES['qwen2'].render(TOOL_CONVERSATION[1:], tools=TOOLS)
+    assert text.startswith('<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one')
+    assert text.endswith('<|im_start|>user\n<tool_response>\n18\n</tool_response>\n<tool_response>\n22\n'
+                         '</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    chatml = BUILTIN_TEMPLATES['chatml'].render('Hi', tools=TOOLS)
+    assert chatml.startswith('<|im_start|>system\n# Tools\n') and '</tools>' in chatml
+    # tools change nothing else: without them the built-ins render as before
+    assert BUILTIN_TEMPLATES['chatml'].render(CONVERSATION, tools=None) == EXPECTED['chatml']
+
+
+def test_builtin_llama3_and_internlm2_tools():
+    llama = BUILTIN_TEMPLATES['llama3'].render(TOOL_CONVERSATION, tools=TOOLS)
+    assert 'You are terse.\n\nGiven the following functions' in llama
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": '
+            '"Paris"}}; {"name": "get_weather", "parameters": {"city": "東京"}}<|eot_id|>') in llama
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n18<|eot_id|>' in llama
+    intern = BUILTIN_TEMPLATES['internlm2'].render(TOOL_CONVERSATION, tools=TOOLS)
+    assert intern.startswith('<s><|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>system name=<|plugin|>\n[')
+    assert ('<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>'
+            in intern)
+    assert '<|im_start|>environment name=<|plugin|>\n22<|im_end|>\n<|im_start|>assistant\n' in intern
+
+
+@pytest.mark.parametrize('tools, match', [
+    ('get_weather', r'tools must be a list'),
+    ([3], r'tools\[0\] must be a dict'),
+    ([{'type': 'retrieval'}], r"tools\[0\]\.type='retrieval' is invalid"),
+    ([{'type': 'function', 'function': {'description': 'x'}}], r'tools\[0\]\.function\.name must be'),
+])
+def test_bad_tools_raise_value_error(smol, tools, match):
+    for template in (BUILTIN_TEMPLATES['qwen2'], get_chat_template(smol, None),
+                     JinjaChatTemplate(QWEN_TOOLS_TEMPLATE, '', '<|im_end|>')):
+        with pytest.raises(ValueError, match=match):
+            template.render('Hi', tools=tools)
+
+
+@pytest.mark.parametrize('template', ['qwen2', 'llama3', 'jinja'])
+def test_bad_tool_calls_raise_value_error(template):
+    t = JinjaChatTemplate(QWEN_TOOLS_TEMPLATE, '', '') if template == 'jinja' else BUILTIN_TEMPLATES[template]
+    bad = [{'role': 'user', 'content': 'q'}, {'role': 'assistant', 'content': None, 'tool_calls': [{'id': '1'}]}]
+    with pytest.raises(ValueError, match=r'messages\[1\]\.tool_calls\[0\]\.function\.name must be a string'):
+        t.render(bad)
+    bad[1]['tool_calls'] = [{'function': {'name': 'f', 'arguments': 3}}]
+    with pytest.raises(ValueError, match=r'messages\[1\]\.tool_calls\[0\]\.function\.arguments must be'):
+        t.render(bad)
