@@ -14,14 +14,15 @@ Reasoning and content lose their leading whitespace, reasoning its trailing whit
 after the reasoning is otherwise kept as written, and an answer with no reasoning is untouched.
 Markers after the reasoning ended stay in the content. Empty parts are None.
 
-``extract_reasoning(text) -> (reasoning_content, content)``; a stream feeds
-``extract_reasoning_streaming(delta_text) -> DeltaMessage | None`` and calls ``finish()`` at the end.
-Both run the same state machine, so a stream, in any chunking, adds up to the whole parse; a marker
-cut across deltas is held back until it is whole. One parser per answer.
+``extract_reasoning(text) -> (reasoning_content, content)`` (alias ``extract``) for a whole answer;
+a stream calls ``feed(delta_text) -> (reasoning, content)`` per piece and ``finish() -> (reasoning,
+content)`` at the end (pieces are '' when there is nothing to send). Both run the same state machine,
+so a stream, in any chunking, adds up to the whole parse; a marker cut across deltas is held back
+until it is whole. One parser per answer.
 """
 from __future__ import annotations
 
-from .tool_parser import DeltaMessage, partial_suffix
+from .tool_parser import partial_suffix
 
 THINK_START, THINK_END = '<think>', '</think>'
 
@@ -88,12 +89,10 @@ class _ThinkStream:
             self.said_reasoning = True
         self.held_ws += text[len(kept):]
 
-    def take(self) -> DeltaMessage | None:
+    def take(self) -> tuple[str, str]:
         reasoning, content = ''.join(self._reasoning), ''.join(self._content)
         self._reasoning, self._content = [], []
-        if not reasoning and not content:
-            return None
-        return DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+        return reasoning, content
 
 
 class ReasoningParser:
@@ -122,19 +121,21 @@ class ReasoningParser:
         return request
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning_content, content) of a whole answer."""
+        """(reasoning_content, content) of a whole answer; None for an empty part."""
         stream = _ThinkStream(self._start_open)
         stream.feed(text, final=True)
-        out = stream.take() or DeltaMessage()
-        return out.reasoning_content, out.content
+        reasoning, content = stream.take()
+        return reasoning or None, content or None
 
-    def extract_reasoning_streaming(self, delta_text: str) -> DeltaMessage | None:
-        """Feed the next piece of the answer; its reasoning and content pieces, or None."""
+    extract = extract_reasoning
+
+    def feed(self, delta_text: str) -> tuple[str, str]:
+        """Feed the next piece of the answer; the (reasoning, content) pieces to send now."""
         self._stream.feed(delta_text)
         return self._stream.take()
 
-    def finish(self) -> DeltaMessage | None:
-        """The answer ended: send what was held back (a cut marker)."""
+    def finish(self) -> tuple[str, str]:
+        """The answer ended: the (reasoning, content) held back (a cut marker)."""
         self._stream.feed('', final=True)
         return self._stream.take()
 

@@ -18,7 +18,8 @@ What a parser returns (the api_server turns these into its response models):
   once the answer ends. A ``DeltaMessage`` carries ``content`` and ``tool_calls``: ``DeltaToolCall(index, id,
   name, arguments)``. A call's first delta has its ``index``, ``id``, ``name`` and the first piece of
   ``arguments`` (maybe ''); later ones only ``index`` and the next piece, as OpenAI streams them
-  (``DeltaToolCall.to_openai()``). The stream's state lives in the parser: one parser per answer.
+  (``DeltaToolCall.to_openai()``). The stream's state lives in the parser: one parser per answer;
+  ``has_tool_calls()`` says whether it sent a call. ``to_dict`` is an alias of each ``to_openai``.
 
 Rules both paths keep, so a stream adds up to the whole parse (content joined, argument pieces joined):
 
@@ -52,6 +53,8 @@ class ToolCall:
     def to_openai(self) -> dict:
         return {'id': self.id, 'type': 'function', 'function': {'name': self.name, 'arguments': self.arguments}}
 
+    to_dict = to_openai
+
 
 @dataclass(frozen=True)
 class ExtractedToolCalls:
@@ -80,6 +83,8 @@ class DeltaToolCall:
         out['function'] = function
         return out
 
+    to_dict = to_openai
+
 
 @dataclass
 class DeltaMessage:
@@ -96,6 +101,8 @@ class DeltaMessage:
         if self.tool_calls:
             out['tool_calls'] = [t.to_openai() for t in self.tool_calls]
         return out
+
+    to_dict = to_openai
 
 
 def make_tool_call_id() -> str:
@@ -559,6 +566,10 @@ class ToolParser:
         """The answer ended: send what was held back (an unfinished marker, a call without its end)."""
         self._stream.finish()
         return self._stream.take()
+
+    def has_tool_calls(self) -> bool:
+        """Has the stream sent a call (the answer's finish_reason is then 'tool_calls')?"""
+        return self._stream.num_calls > 0
 
 
 class ToolParserManager:

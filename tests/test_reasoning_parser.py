@@ -4,7 +4,7 @@ import random
 import pytest
 
 from serve.reasoning_parser import ReasoningParserManager, prompt_opens_think
-from serve.tool_parser import DeltaMessage, ToolParserManager
+from serve.tool_parser import ToolParserManager
 
 QWQ_PROMPT = '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n'
 
@@ -31,12 +31,10 @@ CASES = [
 
 def stream(parser, pieces):
     reasoning, content = '', ''
-    for d in [parser.extract_reasoning_streaming(p) for p in pieces] + [parser.finish()]:
-        if d is None:
-            continue
-        assert isinstance(d, DeltaMessage) and (d.reasoning_content or d.content) and not d.tool_calls
-        reasoning += d.reasoning_content or ''
-        content += d.content or ''
+    for r, c in [parser.feed(p) for p in pieces] + [parser.finish()]:
+        assert isinstance(r, str) and isinstance(c, str)
+        reasoning += r
+        content += c
     return reasoning or None, content or None
 
 
@@ -58,13 +56,14 @@ def test_whole_and_stream(name, kwargs, text, reasoning, content):
 
 def test_markers_cut_across_deltas_are_held_back():
     parser = ReasoningParserManager.get('deepseek-r1')(None)
-    assert parser.extract_reasoning_streaming('<thi') is None
-    assert parser.extract_reasoning_streaming('nk>\nStep one.') == DeltaMessage(reasoning_content='Step one.')
-    assert parser.extract_reasoning_streaming(' Two.\n</th') == DeltaMessage(reasoning_content=' Two.')
-    assert parser.extract_reasoning_streaming('ink>') is None
-    assert parser.extract_reasoning_streaming('\n\nAnswer') == DeltaMessage(content='Answer')
-    assert parser.extract_reasoning_streaming(' </think>') == DeltaMessage(content=' </think>')
-    assert parser.finish() is None
+    assert parser.feed('<thi') == ('', '')
+    assert parser.feed('nk>\nStep one.') == ('Step one.', '')
+    assert parser.feed(' Two.\n</th') == (' Two.', '')
+    assert parser.feed('ink>') == ('', '')
+    assert parser.feed('\n\nAnswer') == ('', 'Answer')
+    assert parser.feed(' </think>') == ('', ' </think>')
+    assert parser.finish() == ('', '')
+    assert parser.extract('<think>r</think>c') == parser.extract_reasoning('<think>r</think>c') == ('r', 'c')
 
 
 def test_prompt_opens_think():
@@ -89,17 +88,16 @@ def test_reasoning_then_tool_calls_streamed():
         rp, tp = ReasoningParserManager.get('qwen3')(None), ToolParserManager.get('qwen')(None)
         reasoning, content, calls = '', '', {}
         for piece in pieces + [None]:
-            r = rp.extract_reasoning_streaming(piece) if piece is not None else rp.finish()
+            r, c = rp.feed(piece) if piece is not None else rp.finish()
             deltas = []
-            if r is not None:
-                reasoning += r.reasoning_content or ''
-                if r.content:
-                    deltas.append(tp.extract_tool_calls_streaming(r.content))
+            reasoning += r
+            if c:
+                deltas.append(tp.extract_tool_calls_streaming(c))
             if piece is None:
                 deltas.append(tp.finish())
             for d in filter(None, deltas):
                 content += d.content or ''
                 for t in d.tool_calls:
                     calls.setdefault(t.index, [t.name, ''])[1] += t.arguments
-        assert reasoning == 'I should call get_weather.' and content == ''
+        assert reasoning == 'I should call get_weather.' and content == '' and tp.has_tool_calls()
         assert list(calls.values()) == [['get_weather', '{"city": "Paris"}']]

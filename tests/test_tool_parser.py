@@ -147,7 +147,10 @@ def test_stream_sends_arguments_as_they_come():
     assert nxt.tool_calls == [DeltaToolCall(0, arguments='ty": "Paris"}')]
     assert nxt.to_openai() == {'tool_calls': [{'index': 0, 'function': {'arguments': 'ty": "Paris"}'}}]}
     assert parser.extract_tool_calls_streaming('call>') is None
-    assert parser.finish() is None
+    assert parser.finish() is None and parser.has_tool_calls()
+    plain = ToolParserManager.get('qwen')(None)
+    plain.extract_tool_calls_streaming('no calls')
+    assert plain.finish() is None and not plain.has_tool_calls()
 
 
 def test_stream_cut_after_the_call_was_sent_keeps_the_call():
@@ -161,7 +164,8 @@ def test_stream_cut_after_the_call_was_sent_keeps_the_call():
 
 def test_to_openai_shapes():
     call = ToolCall('call_1', 'f', '{}')
-    assert call.to_openai() == {'id': 'call_1', 'type': 'function', 'function': {'name': 'f', 'arguments': '{}'}}
+    assert call.to_openai() == call.to_dict() == {'id': 'call_1', 'type': 'function',
+                                                  'function': {'name': 'f', 'arguments': '{}'}}
     assert DeltaMessage(content='x').to_openai() == {'content': 'x'}
     assert DeltaMessage(reasoning_content='r').to_openai() == {'reasoning_content': 'r'}
 
