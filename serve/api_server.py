@@ -331,8 +331,18 @@ class Server:
             raise APIError(400, str(e)) from e
 
 
+_TYPE_TAGS = {'str', 'int', 'float', 'bool', 'list', 'dict', 'none'}
+
+
 def _param_of(loc) -> str | None:
-    parts = [str(p) for p in loc if p != 'body']
+    """The field a pydantic error location names, without its union-branch tags (``stop.str``)."""
+    parts = []
+    for p in loc:
+        if p == 'body':
+            continue
+        if isinstance(p, str) and (p in _TYPE_TAGS or '[' in p or p[:1].isupper()):
+            break  # pydantic names the union branch it tried; the field is what came before
+        parts.append(str(p))
     return '.'.join(parts) or None
 
 
@@ -375,7 +385,10 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
             message = f'the request body is not valid JSON: {first.get("ctx", {}).get("error", first.get("msg"))}'
             param = None
         else:
-            details = '; '.join(f'{_param_of(x.get("loc", ())) or "body"}: {x.get("msg")}' for x in errors[:5])
+            seen = {}
+            for x in errors:
+                seen.setdefault(_param_of(x.get('loc', ())) or 'body', x.get('msg'))
+            details = '; '.join(f'{k}: {v}' for k, v in list(seen.items())[:5])
             message = f'invalid request: {details}'
         server.metrics.error(400)
         return _error_response(APIError(400, message, param=param))
