@@ -519,6 +519,7 @@ class _ChatPrep:
     forced_tool: str | None = None      # tool_choice names a function: the output is its arguments
     required_tools: bool = False        # tool_choice 'required': the output is a JSON list of calls
     parse_tools: bool = False           # tool_choice 'auto' with a parser
+    prompt_text: str | None = None      # the rendered prompt (a reasoning parser reads how it ends)
 
 
 def _tool_schema_required(tools) -> dict:
@@ -562,6 +563,7 @@ def _prepare_chat(server: Server, engine: AsyncEngine, body: ChatCompletionReque
             if tools:
                 kwargs['tools'] = [t.model_dump(exclude_none=True) for t in tools]
             text = engine.chat_template.render(messages, add_generation_prompt=True, **kwargs)
+            prep.prompt_text = text
             prep.input_ids = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             text = ''.join(m['content'] if isinstance(m['content'], str) else '' for m in messages)
@@ -572,6 +574,11 @@ def _prepare_chat(server: Server, engine: AsyncEngine, body: ChatCompletionReque
     except ValueError as e:
         raise APIError(400, str(e), param='messages') from e
     server.check_prompt_len(engine, len(prep.input_ids), 'messages')
+    # parsers whose markers are special tokens need them kept in the text
+    if prep.parse_tools:
+        server.tool_parser_cls(engine.tokenizer).adjust_request(body)
+    if server.reasoning_parser_cls is not None:
+        server.reasoning_parser_cls(engine.tokenizer, prompt=prep.prompt_text).adjust_request(body)
     return prep
 
 
@@ -697,7 +704,7 @@ class _ChatStream:
         self.choices = [_Choice(i) for i in range(body.n)]
         for c in self.choices:
             if server.reasoning_parser_cls is not None:
-                c.reasoning = server.reasoning_parser_cls(server.engine.tokenizer)
+                c.reasoning = server.reasoning_parser_cls(server.engine.tokenizer, prompt=prep.prompt_text)
             if prep.parse_tools:
                 c.tools = server.tool_parser_cls(server.engine.tokenizer)
 
@@ -856,7 +863,9 @@ async def _chat_whole(server: Server, body: ChatCompletionRequest, prep: _ChatPr
         message: dict[str, Any] = {'role': 'assistant', 'content': text}
         finish = c.finish_reason or 'stop'
         if server.reasoning_parser_cls is not None:
-            reasoning, text = server.reasoning_parser_cls(server.engine.tokenizer).extract(text)
+            reasoning, text = server.reasoning_parser_cls(server.engine.tokenizer,
+                                                          prompt=prep.prompt_text).extract(text)
+            text = text or ''
             message['content'] = text
             message['reasoning_content'] = reasoning
         if prep.forced_tool:
