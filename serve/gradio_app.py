@@ -1,0 +1,332 @@
+"""``lmd serve gradio``: a chat in the browser, on a local engine or on an OpenAI-compatible server.
+
+One ``ChatClient`` serves every browser session; each session holds its own
+conversation in a ``gr.State``. A client is where answers come from:
+
+- ``LocalChat``: an in-process ``AsyncEngine``. A conversation is an
+  interactive ``Session``, so the engine keeps its KV cache between turns and
+  each turn prefills only the new message. Clear (or a closed tab) ends it.
+- ``OpenAIChat``: an api_server URL, through the official ``openai`` client.
+  A conversation is the message list the client resends each turn.
+
+A third kind (a Triton address) fits by implementing the same four methods.
+
+Stop cancels the answering event: its async generator is closed, which aborts
+the engine request (local) or closes the HTTP stream (URL), and the partial
+answer stays in the conversation.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from abc import ABC, abstractmethod
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from lmd.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
+
+DEFAULT_MAX_CONCURRENT = 64
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The sampling controls a user sets in the page; temperature 0 means greedy."""
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+
+    def __post_init__(self):
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f'temperature={self.temperature} is out of range: expected 0 to 2 (0: greedy)')
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f'top_p={self.top_p} is out of range: expected more than 0, at most 1')
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            raise ValueError(f'max_new_tokens={self.max_new_tokens} is invalid: expected a whole number >= 1')
+
+    def generation_config(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=int(self.max_new_tokens), do_sample=self.temperature > 0,
+                                temperature=self.temperature, top_p=self.top_p)
+
+
+def with_system(messages: list[dict], system: str | None) -> list[dict]:
+    """``messages`` with its system message set to ``system`` (removed when empty)."""
+    rest = messages[1:] if messages and messages[0]['role'] == 'system' else messages
+    return ([{'role': 'system', 'content': system}] if system else []) + list(rest)
+
+
+class ChatClient(ABC):
+    """Where answers come from; one for the app, shared by every user."""
+
+    description: str  # shown in the page's title line
+    max_new_tokens_limit: int = 8192
+
+    @abstractmethod
+    def new_conversation(self) -> Any:
+        """A conversation's state; it has a ``messages`` list (OpenAI-style, the system message first)."""
+
+    @abstractmethod
+    def stream(self, conv: Any, message: str, system: str | None, settings: ChatSettings) -> AsyncIterator[str]:
+        """Answer ``message`` in ``conv``, yielding pieces of text. Closing the iterator early stops the
+        generation and keeps the part already answered in ``conv``."""
+
+    @abstractmethod
+    def end_conversation(self, conv: Any) -> None:
+        """Free what ``conv`` holds (its KV cache); it may be used again, starting afresh."""
+
+    def close(self) -> None:
+        pass
+
+
+class LocalChat(ChatClient):
+    """An in-process AsyncEngine; a conversation is one of its interactive Sessions."""
+
+    def __init__(self, engine):
+        from lmd.async_engine import AsyncEngine
+        if not isinstance(engine, AsyncEngine):
+            raise TypeError(f'LocalChat needs an lmd AsyncEngine, got {type(engine).__name__}')
+        self.engine = engine
+        self.description = f'{os.path.basename(engine.model_dir.rstrip(os.sep))} ({type(engine.engine).__name__})'
+        self.max_new_tokens_limit = engine.session_len
+        self.sessions: dict[int, Any] = {}  # id(session) -> Session, every conversation not yet ended
+
+    def new_conversation(self):
+        s = self.engine.new_session()
+        self.sessions[id(s)] = s
+        return s
+
+    async def stream(self, conv, message, system, settings):
+        conv.messages = with_system(conv.messages, system)  # a changed system prompt re-prefills the history
+        self.sessions[id(conv)] = conv
+        answer: list[str] = []
+        try:
+            async with aclosing(self.engine.chat(conv, message, settings.generation_config())) as turn:
+                async for r in turn:
+                    answer.append(r.text)
+                    yield r.text
+        except (GeneratorExit, asyncio.CancelledError):
+            # AsyncEngine.chat ended the engine's session (its cache no longer matches the history); the
+            # next turn prefills the history again, under a fresh id so the abort still in flight for
+            # the old one cannot refuse it
+            conv.messages = conv.messages + [{'role': 'user', 'content': message},
+                                             {'role': 'assistant', 'content': ''.join(answer)}]
+            conv.session_id = self.engine.next_session_id()
+            raise
+
+    def end_conversation(self, conv):
+        self.sessions.pop(id(conv), None)
+        self.engine.end_session(conv)
+
+    def close(self):
+        self.engine.close()
+
+
+@dataclass
+class Conversation:
+    messages: list[dict] = field(default_factory=list)
+
+
+def openai_base_url(url: str) -> str:
+    """An api_server address as the openai client wants it: ending in /v1."""
+    if not isinstance(url, str) or not url.startswith(('http://', 'https://')):
+        raise ValueError(f'{url!r} is not an api_server URL: expected http://HOST:PORT')
+    url = url.rstrip('/')
+    return url if url.endswith('/v1') else url + '/v1'
+
+
+def describe_openai_error(e: Exception, url: str) -> str:
+    """One line for a user about a failed request to an OpenAI-compatible server."""
+    import openai
+    if isinstance(e, openai.APIConnectionError):
+        return f'cannot reach the api_server at {url}: {e.__cause__ or e}'
+    if isinstance(e, openai.AuthenticationError):
+        return f'the api_server at {url} refused the API key (401); pass the right one with --api-key'
+    if isinstance(e, openai.APIStatusError):
+        body = e.body if isinstance(e.body, dict) else {}
+        detail = body.get('message') or (body.get('error') or {}).get('message') if body else None
+        return f'the api_server at {url} answered {e.status_code}: {detail or e.message}'
+    return f'{type(e).__name__}: {e}'
+
+
+class OpenAIChat(ChatClient):
+    """An OpenAI-compatible server, through the official client's streaming chat.completions."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None):
+        from openai import AsyncOpenAI
+        self.url = url
+        self.base_url = openai_base_url(url)
+        # the client insists on a key; servers without --api-keys ignore it
+        self.client = AsyncOpenAI(base_url=self.base_url, api_key=api_key or 'none', max_retries=0)
+        self.model = model
+        self.description = url
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            models = (await self.client.models.list()).data
+            if not models:
+                raise ValueError(f'the api_server at {self.url} serves no model (/v1/models is empty)')
+            self.model = models[0].id
+        return self.model
+
+    def new_conversation(self):
+        return Conversation()
+
+    async def stream(self, conv, message, system, settings):
+        import openai
+        messages = with_system(conv.messages, system) + [{'role': 'user', 'content': message}]
+        answer: list[str] = []
+        try:
+            try:
+                stream = await self.client.chat.completions.create(
+                    model=await self.model_name(), messages=messages, stream=True,
+                    temperature=settings.temperature, top_p=settings.top_p, max_tokens=int(settings.max_new_tokens))
+                async with stream:  # leaving it (Stop, an error) closes the HTTP stream: the server aborts
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            answer.append(chunk.choices[0].delta.content)
+                            yield answer[-1]
+            except openai.OpenAIError as e:
+                raise ConnectionError(describe_openai_error(e, self.url)) from e
+        except (GeneratorExit, asyncio.CancelledError):
+            conv.messages = messages + [{'role': 'assistant', 'content': ''.join(answer)}]
+            raise
+        conv.messages = messages + [{'role': 'assistant', 'content': ''.join(answer)}]
+
+    def end_conversation(self, conv):
+        conv.messages = []
+
+    def close(self):
+        pass  # the AsyncOpenAI client's connections belong to the event loop that is gone by now
+
+
+def open_chat_client(model_or_url: str | None = None, backend: str | None = None,
+                     backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+                     chat_template_config: ChatTemplateConfig | None = None,
+                     api_key: str | None = None) -> ChatClient:
+    """``http(s)://...`` -> OpenAIChat; anything else (a model path, 'smollm2', None) -> LocalChat."""
+    if isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://')):
+        if backend is not None or backend_config is not None or chat_template_config is not None:
+            raise ValueError('backend, engine options and chat_template apply to a local model, '
+                             f'not to the api_server at {model_or_url}')
+        return OpenAIChat(model_or_url, api_key=api_key)
+    if api_key is not None:
+        raise ValueError('api_key applies to an api_server URL (http://...), not to a local model')
+    from lmd.async_engine import AsyncEngine
+    return LocalChat(AsyncEngine(model_or_url, backend=backend, backend_config=backend_config,
+                                 chat_template_config=chat_template_config))
+
+
+def _text_of(content) -> str:
+    """A chatbot message's content as Gradio hands it back: a string or a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return content.get('text') or ''
+    return ''.join(_text_of(c) for c in content or [])
+
+
+def build_demo(chat: ChatClient, max_concurrent: int = DEFAULT_MAX_CONCURRENT):
+    """The page: chat, message box, Send / Stop / Clear, system prompt and sampling controls."""
+    import gradio as gr
+    if not isinstance(chat, ChatClient):
+        raise TypeError(f'build_demo needs a ChatClient (see open_chat_client), got {type(chat).__name__}')
+    if not isinstance(max_concurrent, int) or max_concurrent < 1:
+        raise ValueError(f'max_concurrent={max_concurrent!r} is invalid: expected a whole number >= 1')
+
+    def forget(conv):  # the browser session went away
+        if conv is not None:
+            chat.end_conversation(conv)
+
+    async def take_message(message, history):
+        if not message or not message.strip():
+            return gr.update(), history, None
+        return '', history + [{'role': 'user', 'content': message}], message
+
+    async def answer(message, history, conv, system, temperature, top_p, max_new_tokens):
+        if message is None:
+            return
+        try:
+            settings = ChatSettings(float(temperature), float(top_p), int(max_new_tokens))
+        except ValueError as e:
+            raise gr.Error(str(e))
+        if conv is None:
+            conv = chat.new_conversation()
+        history = history + [{'role': 'assistant', 'content': ''}]
+        yield history, conv
+        text = ''
+        try:
+            async with aclosing(chat.stream(conv, message, (system or '').strip() or None, settings)) as pieces:
+                async for piece in pieces:
+                    text += piece
+                    history[-1] = {'role': 'assistant', 'content': text}
+                    yield history, conv
+        except (ValueError, ConnectionError, RuntimeError) as e:  # too long for session_len, server down, ...
+            raise gr.Error(str(e))
+
+    async def clear(conv):
+        forget(conv)
+        return [], None, None
+
+    with gr.Blocks(title='lmd chat', analytics_enabled=False) as demo:
+        gr.Markdown(f'### lmd chat · {chat.description}')
+        conv = gr.State(None, delete_callback=forget)
+        pending = gr.State(None)
+        chatbot = gr.Chatbot(elem_id='lmd-chatbot', height=480, label='conversation', show_label=False,
+                             feedback_options=None)
+        with gr.Row():
+            box = gr.Textbox(placeholder='Type a message and press Enter', show_label=False, scale=8,
+                             elem_id='lmd-message', autofocus=True)
+            send = gr.Button('Send', variant='primary', scale=1, elem_id='lmd-send')
+            stop = gr.Button('Stop', variant='stop', scale=1, elem_id='lmd-stop')
+            reset = gr.Button('Clear', scale=1, elem_id='lmd-clear')
+        with gr.Accordion('Settings', open=False, elem_id='lmd-settings'):
+            system = gr.Textbox(label='System prompt', lines=2, elem_id='lmd-system')
+            with gr.Row():
+                temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label='temperature (0: greedy)',
+                                        elem_id='lmd-temperature')
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label='top-p', elem_id='lmd-top-p')
+                max_new_tokens = gr.Slider(1, chat.max_new_tokens_limit, value=min(512, chat.max_new_tokens_limit),
+                                           step=1, label='max new tokens', elem_id='lmd-max-new-tokens')
+
+        answering = []
+        for trigger in (box.submit, send.click):
+            answering.append(
+                trigger(take_message, [box, chatbot], [box, chatbot, pending], queue=False)
+                .then(answer, [pending, chatbot, conv, system, temperature, top_p, max_new_tokens], [chatbot, conv],
+                      concurrency_limit=max_concurrent, show_progress='hidden'))
+        stop.click(None, None, None, cancels=answering, queue=False)
+        reset.click(clear, [conv], [chatbot, conv, pending], cancels=answering, queue=False)
+    demo.queue(default_concurrency_limit=max_concurrent)
+    return demo
+
+
+def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', server_port: int = 6006,
+               backend: str | None = None,
+               backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+               chat_template_config: ChatTemplateConfig | None = None, api_key: str | None = None,
+               share: bool = False, max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
+    """Serve the chat page until interrupted.
+
+    Args:
+        model_or_url: a model path or 'smollm2' (None: the embedded default) to run here, or an
+            api_server URL (``http://HOST:PORT``) to chat through.
+        server_name, server_port: where the page listens.
+        backend, backend_config, chat_template_config: the local engine's, as for ``pipeline()``.
+        api_key: the api_server's key, for a URL.
+        share: ask Gradio for a public link (needs the internet).
+        max_concurrent: answers generated at once, across all users.
+    """
+    if not isinstance(server_port, int) or not 0 < server_port < 65536:
+        raise ValueError(f'server_port={server_port!r} is invalid: expected 1 to 65535')
+    chat = open_chat_client(model_or_url, backend, backend_config, chat_template_config, api_key)
+    try:
+        demo = build_demo(chat, max_concurrent)
+        demo.launch(server_name=server_name, server_port=server_port, share=share, max_threads=max_concurrent)
+    finally:
+        chat.close()
+
+
+if __name__ == '__main__':
+    import sys
+    run_gradio(sys.argv[1] if len(sys.argv) > 1 else None, server_name='127.0.0.1',
+               server_port=int(sys.argv[2]) if len(sys.argv) > 2 else 6006)
