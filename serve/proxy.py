@@ -393,32 +393,11 @@ class Relay:
         why: dict[str, str] = {}
         while True:
             node = self.table.choose(model, tried, why)
-            node.unfinished += 1
-            node.num_requests += 1
-            start = time.perf_counter()
-            settled = False
             try:
-                upstream = await self.client.send(
-                    self.client.build_request('POST', node.url + path, content=body, headers=headers), stream=True)
-                if upstream.headers.get('content-type', '').startswith('text/event-stream'):
-                    chunks = upstream.aiter_raw()
-                    try:
-                        first = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        first = b''
-                    except BaseException:
-                        await upstream.aclose()
-                        raise
-                    settled = True  # from here the response owns the node's bookkeeping
-                    return _RelayedStream(upstream, first, chunks, node, self.table, start,
-                                          _response_headers(upstream))
-                try:
-                    content = await upstream.aread()
-                finally:
-                    await upstream.aclose()
-                if upstream.status_code == 200:
-                    node.latencies.append(time.perf_counter() - start)
-                return Response(content, status_code=upstream.status_code, headers=_response_headers(upstream))
+                return await _unless_client_leaves(request, self._attempt(node, path, body, headers))
+            except _ClientGone:
+                logger.info('client left before %s answered; request closed on the node', node.url)
+                return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 reason = f'connection failed: {_describe(e)}'
                 self.table.mark_unhealthy(node, reason)
@@ -427,13 +406,67 @@ class Relay:
                 # probe says) or a kept-alive connection may have gone stale; either way, another node.
                 reason = f'dropped the request: {_describe(e)}'
                 self.table.probe_soon(node)
-            finally:
-                if not settled:
-                    node.unfinished -= 1
             node.num_failures += 1
             tried.add(node.url)
             why[node.url] = reason
             logger.warning('node %s %s; retrying on another node', node.url, reason)
+
+    async def _attempt(self, node: Node, path: str, body: bytes, headers: dict) -> Response:
+        """The node's answer: a whole body, or a stream whose first chunk has arrived (until then a
+        failure can still go to another node)."""
+        node.unfinished += 1
+        node.num_requests += 1
+        start = time.perf_counter()
+        settled = False
+        try:
+            upstream = await self.client.send(
+                self.client.build_request('POST', node.url + path, content=body, headers=headers), stream=True)
+            try:
+                if upstream.headers.get('content-type', '').startswith('text/event-stream'):
+                    chunks = upstream.aiter_raw()
+                    first = await anext(chunks, b'')
+                    settled = True  # from here the response owns the upstream and the node's bookkeeping
+                    return _RelayedStream(upstream, first, chunks, node, self.table, start,
+                                          _response_headers(upstream))
+                content = await upstream.aread()
+            finally:
+                if not settled:
+                    with anyio.CancelScope(shield=True):
+                        await upstream.aclose()
+            if upstream.status_code == 200:
+                node.latencies.append(time.perf_counter() - start)
+            return Response(content, status_code=upstream.status_code, headers=_response_headers(upstream))
+        finally:
+            if not settled:
+                node.unfinished -= 1
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_leaves(request: Request, work):
+    """Await ``work``, cancelling it (which closes its upstream connection) if the client hangs up first.
+
+    Uvicorn does not cancel a handler whose client left, and the node would go on generating an
+    answer nobody reads; streams notice the hang-up on their own (StreamingResponse)."""
+    async def disconnected():
+        while (await request.receive())['type'] != 'http.disconnect':
+            pass
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled():
+            raise _ClientGone() from None
+        raise
 
 
 def _response_headers(upstream: httpx.Response) -> dict:

@@ -186,13 +186,16 @@ def test_bad_settings_are_named():
 
 # ---- behind the proxy: stand-in nodes -------------------------------------------------------
 
-@pytest.fixture
-def two_standins(tmp_path):
-    proxy = start_proxy(tmp_path)
-    a = start_standin(tmp_path, 'a', proxy, '--models', STANDIN_MODEL, 'only-a')
-    b = start_standin(tmp_path, 'b', proxy, '--models', STANDIN_MODEL)
-    servers = [proxy, a, b]
+@pytest.fixture(scope='module')
+def standins(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp('standins')
+    proxy = start_proxy(log_dir)
+    servers = [proxy]
     try:
+        a = start_standin(log_dir, 'a', proxy, '--models', STANDIN_MODEL, 'only-a')
+        servers.append(a)
+        b = start_standin(log_dir, 'b', proxy, '--models', STANDIN_MODEL)
+        servers.append(b)
         wait_nodes(proxy, {a.url: True, b.url: True})
         yield proxy, a, b
     finally:
@@ -200,10 +203,11 @@ def two_standins(tmp_path):
             s.stop()
 
 
-def test_standins_register_route_by_model_and_spread(two_standins):
-    proxy, a, b = two_standins
+def test_standins_register_route_by_model_and_spread(standins):
+    proxy, a, b = standins
     client = openai_client(proxy)
     assert sorted(m.id for m in client.models.list().data) == ['only-a', STANDIN_MODEL]
+    before = nodes_status(proxy)
     for _ in range(4):
         r = client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
         assert r.system_fingerprint == 'a' and r.choices[0].message.content == 'a says: hi'
@@ -217,20 +221,68 @@ def test_standins_register_route_by_model_and_spread(two_standins):
     status = nodes_status(proxy)
     assert status[a.url]['unfinished'] == 2 and status[b.url]['unfinished'] == 2
     for s, _ in streams:
-        assert ''.join(c.choices[0].delta.content or '' for c in s).endswith('39')
+        assert ''.join(c.choices[0].delta.content or '' for c in s).endswith(' 38 39')
     status = nodes_status(proxy)
     assert status[a.url]['unfinished'] == 0 and status[b.url]['unfinished'] == 0
-    assert status[a.url]['requests'] == 6 and status[b.url]['requests'] == 2
+    assert status[a.url]['requests'] - before[a.url]['requests'] == 6
+    assert status[b.url]['requests'] - before[b.url]['requests'] == 2
     assert status[b.url]['latency'] > 0 and sorted(status[a.url]['models']) == ['only-a', STANDIN_MODEL]
     text = client.completions.create(model=STANDIN_MODEL, prompt='one two', max_tokens=3)
-    assert text.choices[0].text.endswith('says: one two 1 2')
+    assert text.choices[0].text.endswith(' says: one two 1 2')
     chunks = list(client.completions.create(model=STANDIN_MODEL, prompt='one two', max_tokens=3, stream=True))
     assert ''.join(c.choices[0].text for c in chunks) == f'{chunks[0].system_fingerprint} says: one two 1 2'
 
 
-def test_standin_errors_unknown_model_bad_json_remove(two_standins):
+def test_node_answering_5xx_on_health_gets_no_requests(standins):
+    proxy, a, b = standins
+    client = openai_client(proxy)
+    httpx.post(a.url + '/admin/health', json={'status': 503}, timeout=5)
+    try:
+        status = wait_nodes(proxy, {a.url: False, b.url: True})
+        assert '503' in status[a.url]['last_error']
+        before = stats(a)['requests']
+        for _ in range(6):
+            r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+            assert r.system_fingerprint == 'b'
+        assert stats(a)['requests'] == before
+        assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]  # only-a is down with its node
+        r = httpx.post(proxy.url + '/v1/chat/completions', timeout=10,
+                       json={'model': 'only-a', 'messages': [{'role': 'user', 'content': 'hi'}]})
+        assert r.status_code == 503 and r.json()['error']['code'] == 'no_healthy_node'
+        assert f'{a.url} (unhealthy: GET /health answered 503)' in r.json()['error']['message']
+    finally:
+        httpx.post(a.url + '/admin/health', json={'status': 200}, timeout=5)
+    wait_nodes(proxy, {a.url: True, b.url: True})
+    r = client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
+    assert r.system_fingerprint == 'a'
+
+
+def test_client_hang_up_closes_the_upstream_stream(standins):
+    proxy, a, b = standins
+    client = openai_client(proxy)
+    aborted = stats(a)['aborted']
+    stream = client.chat.completions.create(model='only-a', stream=True, max_tokens=400,
+                                            messages=[{'role': 'user', 'content': 'long'}])
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert stats(a)['running'] == 1
+    stream.close()
+    wait_for(lambda: stats(a)['aborted'] == aborted + 1 and stats(a)['running'] == 0,
+             'the stand-in to see the hang-up')
+    assert nodes_status(proxy)[a.url]['unfinished'] == 0
+    # waiting for a whole answer, then hanging up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.url + '/v1/completions', json={'model': 'only-a', 'prompt': 'x', 'max_tokens': 400},
+                   timeout=httpx.Timeout(10, read=1.0))
+    wait_for(lambda: stats(a)['aborted'] == aborted + 2 and stats(a)['running'] == 0,
+             'the stand-in to see the second hang-up')
+    assert nodes_status(proxy)[a.url]['unfinished'] == 0
+
+
+def test_errors_unknown_model_bad_json_add_and_remove(standins):
     import openai
-    proxy, a, b = two_standins
+    proxy, a, b = standins
     client = openai_client(proxy)
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model='nope', messages=[{'role': 'user', 'content': 'hi'}])
@@ -240,56 +292,33 @@ def test_standin_errors_unknown_model_bad_json_remove(two_standins):
     assert r.status_code == 400 and 'not valid JSON' in r.json()['error']['message']
     r = httpx.post(proxy.url + '/v1/completions', json={'model': 7, 'prompt': 'x'}, timeout=10)
     assert r.status_code == 400 and r.json()['error']['param'] == 'model'
-    r = httpx.post(proxy.url + '/nodes/add', json={'url': 'localhost:1'}, timeout=10)
-    assert r.status_code == 400 and r.json()['error']['param'] == 'url'
+    r = httpx.get(proxy.url + '/v1/nothing', timeout=10)
+    assert r.status_code == 404 and 'error' in r.json()
+    for body, param in (({'url': 'localhost:1'}, 'url'), ({}, 'url'), (['x'], None),
+                        ({'url': a.url, 'status': {'speed': -1}}, 'status.speed'),
+                        ({'url': a.url, 'status': {'models': 'm'}}, 'status.models')):
+        r = httpx.post(proxy.url + '/nodes/add', json=body, timeout=10)
+        assert r.status_code == 400 and r.json()['error']['param'] == param, r.text
     r = httpx.post(proxy.url + '/nodes/remove', json={'url': 'http://127.0.0.1:1'}, timeout=10)
     assert r.status_code == 404 and 'http://127.0.0.1:1' in r.json()['error']['message']
-    r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url}, timeout=10)
+
+    r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url + '/'}, timeout=10)
     assert r.status_code == 200 and r.json() == {'url': a.url, 'removed': True}
-    assert list(nodes_status(proxy)) == [b.url]
-    assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
-    for _ in range(3):
-        r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert r.system_fingerprint == 'b'
-    b.stop()  # leaves with POST /nodes/remove on shutdown
-    wait_for(lambda: not nodes_status(proxy), 'the stand-in to remove itself')
-    with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-    assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
-
-
-def test_node_answering_5xx_on_health_gets_no_requests(two_standins):
-    proxy, a, b = two_standins
-    client = openai_client(proxy)
-    httpx.post(a.url + '/admin/health', json={'status': 503}, timeout=5)
-    status = wait_nodes(proxy, {a.url: False, b.url: True})
-    assert '503' in status[a.url]['last_error']
-    before = stats(a)['requests']
-    for _ in range(6):
-        r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert r.system_fingerprint == 'b'
-    assert stats(a)['requests'] == before
-    assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]  # only-a is down with its node
-    httpx.post(a.url + '/admin/health', json={'status': 200}, timeout=5)
-    wait_nodes(proxy, {a.url: True, b.url: True})
+    try:
+        assert list(nodes_status(proxy)) == [b.url]
+        assert [m.id for m in client.models.list().data] == [STANDIN_MODEL]
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
+        for _ in range(3):
+            r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+            assert r.system_fingerprint == 'b'
+    finally:
+        r = httpx.post(proxy.url + '/nodes/add', json={'url': a.url, 'status': {'speed': 2.5}}, timeout=10)
+    assert r.status_code == 200, r.text
+    node = r.json()
+    assert node['healthy'] is True and node['speed'] == 2.5 and sorted(node['models']) == ['only-a', STANDIN_MODEL]
     r = client.chat.completions.create(model='only-a', messages=[{'role': 'user', 'content': 'hi'}])
     assert r.system_fingerprint == 'a'
-
-
-def test_client_hang_up_closes_the_upstream_stream(two_standins):
-    proxy, a, b = two_standins
-    client = openai_client(proxy)
-    stream = client.chat.completions.create(model='only-a', stream=True, max_tokens=400,
-                                            messages=[{'role': 'user', 'content': 'long'}])
-    it = iter(stream)
-    for _ in range(3):
-        next(it)
-    assert stats(a)['running'] == 1
-    stream.close()
-    wait_for(lambda: stats(a)['aborted'] == 1 and stats(a)['running'] == 0, 'the stand-in to see the hang-up')
-    assert nodes_status(proxy)[a.url]['unfinished'] == 0
 
 
 def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path):
@@ -354,9 +383,156 @@ def test_api_keys(tmp_path):
             openai_client(proxy, 'k1').chat.completions.create(
                 model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
         assert stats(a)['auth_seen'][-2:] == ['Bearer k2', 'Bearer k1']
+        a.stop()  # leaves with POST /nodes/remove, sending its key
+        wait_for(lambda: not nodes_status(proxy, 'k1'), 'the stand-in to remove itself')
+        assert openai_client(proxy, 'k1').models.list().data == []
+        with pytest.raises(openai.InternalServerError) as e:
+            openai_client(proxy, 'k1').chat.completions.create(
+                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+        assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
     finally:
         for s in (proxy, a):
             s.stop()
+
+
+# ---- behind the proxy: real lmd api_servers ------------------------------------------------
+
+KEY = 'proxy-test-key'
+PROMPT = [{'role': 'user', 'content': 'Name three colors.'}]
+
+
+def served(node: Server) -> float:
+    """Requests the api_server has finished, from its own /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(node.url + '/metrics', timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == 'lmd:e2e_request_latency_seconds_count')
+
+
+@pytest.fixture(scope='module')
+def cluster(tmp_path_factory):
+    """A proxy with an API key, and two api_servers serving SmolLM2 that register with it."""
+    log_dir = tmp_path_factory.mktemp('cluster')
+    proxy = start_proxy(log_dir, '--api-keys', KEY, interval=1.0)
+    servers = [proxy]
+    try:
+        for name in ('node0', 'node1'):
+            port = free_port()
+            servers.append(Server(name, ['-m', 'lmd.serve.api_server', 'smollm2', '--server-name', '127.0.0.1',
+                                         '--server-port', str(port), '--proxy-url', proxy.url, '--api-keys', KEY,
+                                         '--num-threads', '1', '--log-level', 'WARNING'],
+                                  port, log_dir))
+        nodes = servers[1:]
+        for node in nodes:
+            node.wait_ready(ok=(200,), timeout=240)
+        wait_nodes(proxy, {n.url: True for n in nodes}, key=KEY)
+        yield proxy, nodes
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_real_nodes_answer_through_the_proxy(cluster):
+    import openai
+    proxy, nodes = cluster
+    client = openai_client(proxy, KEY)
+    assert [m.id for m in client.models.list().data] == ['smollm2']
+    answers = [openai_client(n, KEY).chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=12,
+                                                              temperature=0) for n in nodes]
+    direct = [a.choices[0].message.content for a in answers]
+    assert direct[0] == direct[1] and direct[0]
+    n_tokens = answers[0].usage.completion_tokens
+    before = [served(n) for n in nodes]
+    for _ in range(2):
+        r = client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == direct[0] and r.usage.completion_tokens == n_tokens
+    chunks = list(client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={'include_usage': True}))
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices) == direct[0]
+    assert chunks[-1].usage.completion_tokens == n_tokens
+    text = client.completions.create(model='smollm2', prompt='The sky is', max_tokens=8, temperature=0)
+    streamed = client.completions.create(model='smollm2', prompt='The sky is', max_tokens=8, temperature=0,
+                                         stream=True)
+    assert ''.join(c.choices[0].text for c in streamed) == text.choices[0].text and text.choices[0].text
+
+    # two streams open at once: the second goes to the node without an unfinished request
+    streams = [client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=12, temperature=0,
+                                              stream=True) for _ in range(2)]
+    firsts = [next(iter(s)) for s in streams]
+    status = nodes_status(proxy, KEY)
+    assert [status[n.url]['unfinished'] for n in nodes] == [1, 1]
+    for first, s in zip(firsts, streams):
+        assert (first.choices[0].delta.content or '') + ''.join(c.choices[0].delta.content or '' for c in s) \
+            == direct[0]
+    after = [served(n) for n in nodes]
+    assert sum(after) - sum(before) == 7 and min(a - b for a, b in zip(after, before)) >= 1
+    status = nodes_status(proxy, KEY)
+    assert all(status[n.url]['latency'] > 0 and status[n.url]['unfinished'] == 0 for n in nodes)
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model='gpt-4', messages=PROMPT, max_tokens=4)
+    assert e.value.body['code'] == 'model_not_found' and 'smollm2' in e.value.body['message']
+    for key in ('wrong', None):
+        r = httpx.post(proxy.url + '/v1/chat/completions', timeout=10,
+                       headers={'Authorization': f'Bearer {key}'} if key else {},
+                       json={'model': 'smollm2', 'messages': PROMPT, 'max_tokens': 4})
+        assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
+    # a node's own error passes through unchanged
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=4, temperature=-1)
+    assert e.value.body['param'] == 'temperature'
+
+
+def test_real_node_killed_with_requests_in_flight(cluster):
+    import openai
+    proxy, nodes = cluster
+    client = openai_client(proxy, KEY)
+    expected = client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=40,
+                                              temperature=0).choices[0].message.content
+    # one stream on each node, then four whole-answer requests, two on each node
+    streams = [client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=200, temperature=0,
+                                              stream=True, extra_body={'ignore_eos': True}) for _ in range(2)]
+    iters = [iter(s) for s in streams]
+    for it in iters:
+        next(it)
+    answers, errors = [], []
+
+    def ask():
+        try:
+            answers.append(client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=40,
+                                                          temperature=0).choices[0].message.content)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: [nodes_status(proxy, KEY)[n.url]['unfinished'] for n in nodes] == [3, 3],
+             'three requests on each node', timeout=30)
+    victim, survivor = nodes
+    victim.kill()
+    # the stream the victim was answering ends with an error; the whole answers it held are retried
+    outcomes = []
+    for it in iters:
+        try:
+            for _ in it:
+                pass
+            outcomes.append('done')
+        except openai.APIError as e:
+            assert 'dropped the stream' in str(e)
+            outcomes.append('dropped')
+    assert sorted(outcomes) == ['done', 'dropped']
+    for t in threads:
+        t.join(120)
+    assert not errors and answers == [expected] * 4
+    for i in range(4):
+        r = client.completions.create(model='smollm2', prompt=f'{i} plus {i} is', max_tokens=4)
+        assert r.choices[0].text
+    status = nodes_status(proxy, KEY)
+    assert status[victim.url]['healthy'] is False and status[survivor.url]['healthy'] is True
+    assert status[victim.url]['unfinished'] == 0 and status[survivor.url]['unfinished'] == 0
+    r = httpx.post(proxy.url + '/nodes/remove', json={'url': victim.url}, timeout=10,
+                   headers={'Authorization': f'Bearer {KEY}'})
+    assert r.status_code == 200 and list(nodes_status(proxy, KEY)) == [survivor.url]
 
 
 # ---- the stand-in node ----------------------------------------------------------------------
@@ -440,6 +616,16 @@ def standin_main(argv: list[str]) -> None:
             return {'index': 0, 'text': text, 'finish_reason': finish}
 
         if not body.get('stream'):
+            state['running'] += 1
+            try:
+                for _ in words[1:]:  # as if generating: one word per 20 ms
+                    if await request.is_disconnected():
+                        state['aborted'] += 1
+                        return Response(status_code=499)
+                    await asyncio.sleep(0.02)
+                state['finished'] += 1
+            finally:
+                state['running'] -= 1
             content = ''.join(words)
             c = ({'index': 0, 'message': {'role': 'assistant', 'content': content}, 'finish_reason': 'length'}
                  if chat else {'index': 0, 'text': content, 'finish_reason': 'length'})
