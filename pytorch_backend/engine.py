@@ -317,7 +317,7 @@ class PytorchEngine(Engine):
         else:
             seq.start_turn(request.token_ids, request.sampling, None, message.callback, request.sequence_end)
             self.scheduler.resume(seq)
-        seq.sampling_state = SamplingState(request.sampling, tuple(seq.token_ids))
+        seq.sampling_state = SamplingState(request.sampling, tuple(seq.token_ids), request.constraint)
         seq.forced_token_ids = list(message.forced_token_ids) if message.forced_token_ids is not None else None
         seq.logits_sink = message.logits_sink
         self._num_prompt_tokens += len(request.token_ids)
@@ -354,9 +354,21 @@ class PytorchEngine(Engine):
                 return
             token, logprobs = seq.forced_token_ids.pop(0), None
         sp = seq.sampling
-        if token in sp.stop_token_ids and seq.num_generated_tokens >= sp.min_new_tokens:
+        constraint = seq.sampling_state.constraint
+        if token in sp.stop_token_ids and (seq.num_generated_tokens >= sp.min_new_tokens or constraint is not None):
             self._finish(seq, 'stop')  # the stop token is neither output nor kept in the session
             return
+        if constraint is not None and seq.forced_token_ids is None:
+            try:
+                why = None if constraint.accept(token) else f'token {token} breaks the response_format grammar'
+            except Exception as e:  # the grammar's own failure ends this request only
+                why = f'the response_format grammar failed: {type(e).__name__}: {e}'
+            if why is not None:
+                self._finish(seq, 'error', error=f'session {seq.session_id}: {why}')
+                return
+            if token in constraint.stop_token_ids:  # the grammar is complete (a stop token the request ignores)
+                self._finish(seq, 'stop')
+                return
         seq.token_ids.append(token)
         seq.sampling_state.append(token)
         self._num_generated_tokens += 1

@@ -4,10 +4,16 @@ Processing order, as HF ``generate`` applies it:
 
     repetition_penalty (prompt + generated ids)  ->  presence / frequency penalty
     (generated ids, OpenAI semantics)  ->  bad_token_ids to -inf  ->  stop_token_ids
-    to -inf while num_generated < min_new_tokens  ->  greedy: argmax
+    to -inf while num_generated < min_new_tokens (not under a constraint)  ->  a structured-output
+    constraint's disallowed tokens to -inf  ->  greedy: argmax
     ->  else temperature -> top_k -> top_p -> min_p -> draw
 
-Logprobs are ``log_softmax`` of the raw logits, before any of the above (vLLM's default).
+Logprobs are ``log_softmax`` of the raw logits, before any of the above (vLLM's default), so a
+constrained row's logprobs say what the model wanted, not what the grammar allowed.
+
+Structured output: a state may carry a ``constraint`` (``lmd.guided.TokenConstraint``). The
+sampler asks it for this step's bitmask and masks the row; the engine calls ``accept`` with the
+token it keeps. The constraint lives in the state, so it survives preemption.
 
 Reproducibility: a seeded request owns a ``torch.Generator`` that only advances
 when that request draws. Every sampled row takes exactly one uniform ``u`` per step
@@ -57,8 +63,9 @@ def is_greedy(params: SamplingParams) -> bool:
 class SamplingState:
     """Per-request mutable sampling state; lives as long as the request (preemption included)."""
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int]):
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], constraint=None):
         self.params = params
+        self.constraint = constraint  # lmd.guided.TokenConstraint or None
         self.greedy = is_greedy(params)
         self.num_generated = 0
         # token id -> times generated (presence / frequency penalties)
@@ -109,7 +116,12 @@ class SamplingState:
         """Whether any penalty or mask touches this row's logits this step."""
         p = self.params
         return (self.has_repetition_penalty or self.has_output_penalty or bool(p.bad_token_ids)
-                or (self.num_generated < p.min_new_tokens and bool(p.stop_token_ids)))
+                or self.blocks_stop_tokens() or self.constraint is not None)
+
+    def blocks_stop_tokens(self) -> bool:
+        """Stop ids are masked until min_new_tokens, unless a grammar decides where the text ends."""
+        p = self.params
+        return self.num_generated < p.min_new_tokens and bool(p.stop_token_ids) and self.constraint is None
 
     # --- index tensors the sampler scatters into the logits ---------------------------------
 
@@ -135,7 +147,7 @@ class SamplingState:
     def masked_ids(self, device: torch.device, vocab_size: int) -> torch.Tensor | None:
         """Ids to set to -inf this step: bad ids, plus stop ids until min_new_tokens (ids >= V dropped)."""
         p = self.params
-        block_stop = self.num_generated < p.min_new_tokens and bool(p.stop_token_ids)
+        block_stop = self.blocks_stop_tokens()
         kind = 'bad+stop' if block_stop else 'bad'
         key = (kind, device, vocab_size)
         t = self._masks.get(key)
@@ -242,6 +254,17 @@ class Sampler:
             flat[idx] = flat[idx] - torch.cat(out_delta)
         if mask_idx:
             flat[torch.cat(mask_idx)] = _NEG_INF
+        constrained = [i for i in rows if states[i].constraint is not None]
+        if constrained:
+            num_words = (vocab + 31) // 32
+            # bitmask: [len(constrained), num_words] int32, xgrammar's layout (see apply_token_bitmask_)
+            bitmask = torch.empty((len(constrained), num_words), dtype=torch.int32)
+            for j, i in enumerate(constrained):
+                c = states[i].constraint
+                if c.num_words != num_words:
+                    raise ValueError(f'a constraint for {c.vocab_size} tokens on logits of {vocab}')
+                c.fill_bitmask(bitmask, j)
+            apply_token_bitmask_(work, bitmask.to(device), constrained)
         return work
 
     # --- sampling ---------------------------------------------------------------------------
@@ -375,6 +398,29 @@ class Sampler:
             for t, v in zip(top_ids[j][:ks[j]] if k_max else (), top_vals[j][:ks[j]] if k_max else ()):
                 d.setdefault(t, v)
             out[i] = d
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [n, W] int32 (bit ``t % 32`` of word ``t // 32``: token t allowed) -> bool [n, vocab]."""
+    n, width = bitmask.shape
+    if width * 32 < vocab:
+        raise ValueError(f'a bitmask of {width} words covers {width * 32} tokens, fewer than the {vocab} logits')
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    # an arithmetic shift of a negative word still leaves bit k in place 0
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, width * 32)[:, :vocab].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """Set to -inf, in place, every logit whose bit is clear: logits [B, V]; bitmask [n, W] int32
+    for ``rows`` of logits (None: n == B, every row). Returns ``logits``."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    if rows is None:
+        if allowed.shape[0] != logits.shape[0]:
+            raise ValueError(f'a bitmask of {allowed.shape[0]} rows for logits of {logits.shape[0]}')
+        return logits.masked_fill_(~allowed, _NEG_INF)
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(~allowed[j], _NEG_INF)
+    return logits
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """``TurbomindEngine``: lmd's Engine interface over TurboMind's C++ engine.
 
 The C++ side owns everything per step: the request queue, the batching thread, the
-block manager with its prefix cache, the model and its KV cache, and sampling.
+block manager with its prefix cache, the model and its KV cache, and sampling. A request's
+structured-output constraint (``lmd.guided``) goes in with it; the engine thread takes the GIL
+once a step to ask all constrained rows for their bitmasks, and once to hand them their tokens.
 This wrapper checks requests before they go in (one clear ``ValueError`` each), and
 runs one Python thread that collects the engine's outputs (waiting without the GIL)
 and hands each to its request's callback, in order.
@@ -119,7 +121,7 @@ class TurbomindEngine(Engine):
             self._callbacks[request.session_id] = callback
         try:
             self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, _sampling_dict(sp),
-                         request.sequence_start, request.sequence_end)
+                         request.sequence_start, request.sequence_end, request.constraint)
         except BaseException:
             with self._lock:
                 self._callbacks.pop(request.session_id, None)

@@ -208,6 +208,24 @@ SamplingParams params_of(py::handle obj) {
 }
 
 using Logits = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using Bitmask = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// Row pointers of an optional bitmask [batch, ceil(vocab / 32)] (None: an empty vector).
+std::vector<const int32_t *> bitmask_rows(const py::object & bitmask, Bitmask & holder, int64_t batch, int64_t vocab,
+                                          const char * fn) {
+    std::vector<const int32_t *> rows;
+    if (bitmask.is_none()) return rows;
+    holder = bitmask.cast<Bitmask>();
+    const int64_t words = (vocab + 31) / 32;
+    if (holder.ndim() != 2 || holder.shape(0) != batch || holder.shape(1) != words) {
+        std::string shape;
+        for (py::ssize_t d = 0; d < holder.ndim(); ++d) shape += (d ? ", " : "") + std::to_string(holder.shape(d));
+        fail(std::string(fn) + ": bitmask must be int32 [" + std::to_string(batch) + ", " + std::to_string(words) +
+             "] (ceil(vocab / 32) words a row), got [" + shape + "]");
+    }
+    for (int64_t i = 0; i < batch; ++i) rows.push_back(holder.data() + i * words);
+    return rows;
+}
 
 std::vector<const SamplingState *> states_of(const Logits & logits, const py::sequence & states, const char * fn) {
     if (logits.ndim() != 2) fail(std::string(fn) + ": logits must be [batch, vocab], got " + std::to_string(logits.ndim()) + " dims");
@@ -232,6 +250,8 @@ void bind_sampler(py::module_ & m) {
         .def("append", &SamplingState::append, py::arg("token_id"))
         .def_readonly("num_generated", &SamplingState::num_generated)
         .def_readonly("greedy", &SamplingState::greedy)
+        .def_readwrite("constrained", &SamplingState::constrained,
+                       "a grammar decides where the text ends (the engine sets it for a request with a constraint)")
         .def("needs_processing", &SamplingState::needs_processing);
 
     py::class_<Sampler>(m, "Sampler")
@@ -242,14 +262,17 @@ void bind_sampler(py::module_ & m) {
              }),
              py::arg("seed") = py::none(), "seed: of the stream rows without random_seed draw from (None: random)")
         .def("sample",
-             [](Sampler & sampler, const Logits & logits, const py::sequence & states_seq) {
+             [](Sampler & sampler, const Logits & logits, const py::sequence & states_seq, const py::object & bitmask) {
                  std::vector<const SamplingState *> states = states_of(logits, states_seq, "sample");
                  const int64_t batch = logits.shape(0), vocab = logits.shape(1);
+                 Bitmask holder;
+                 std::vector<const int32_t *> masks = bitmask_rows(bitmask, holder, batch, vocab, "sample");
                  std::vector<int32_t> ids(batch);
                  std::vector<std::vector<TokenLogprob>> lps;
                  {
                      py::gil_scoped_release release;
-                     sampler.sample(logits.data(), batch, vocab, vocab, states.data(), ids.data(), &lps);
+                     sampler.sample(logits.data(), batch, vocab, vocab, states.data(), ids.data(), &lps,
+                                    masks.empty() ? nullptr : masks.data());
                  }
                  py::list out_lps;
                  for (int64_t i = 0; i < batch; ++i) {
@@ -263,16 +286,34 @@ void bind_sampler(py::module_ & m) {
                  }
                  return py::make_tuple(ids, out_lps);
              },
-             py::arg("logits"), py::arg("states"),
-             "logits: float32 [batch, vocab]; -> (token_ids, logprobs): logprobs[i] is None, or "
+             py::arg("logits"), py::arg("states"), py::arg("bitmask") = py::none(),
+             "logits: float32 [batch, vocab]; bitmask: None or int32 [batch, ceil(vocab / 32)] (structured "
+             "output; every row masked); -> (token_ids, logprobs): logprobs[i] is None, or "
              "[(chosen, lp), (alternative, lp), ...] best first");
-    m.def("process_logits", [](const Logits & logits, const py::sequence & states_seq) {
+    m.def("process_logits", [](const Logits & logits, const py::sequence & states_seq, const py::object & bitmask) {
         std::vector<const SamplingState *> states = states_of(logits, states_seq, "process_logits");
+        Bitmask holder;
+        std::vector<const int32_t *> masks = bitmask_rows(bitmask, holder, logits.shape(0), logits.shape(1),
+                                                          "process_logits");
         py::array_t<float> out({logits.shape(0), logits.shape(1)});
         Sampler::process_logits(logits.data(), logits.shape(0), logits.shape(1), logits.shape(1), states.data(),
-                                out.mutable_data());
+                                out.mutable_data(), masks.empty() ? nullptr : masks.data());
         return out;
-    }, py::arg("logits"), py::arg("states"), "the logits after penalties and masks");
+    }, py::arg("logits"), py::arg("states"), py::arg("bitmask") = py::none(),
+       "the logits after penalties, masks and the bitmask (None: none)");
+    m.def("apply_token_bitmask", [](const Logits & logits, const py::object & bitmask) {
+        if (logits.ndim() != 2) fail("apply_token_bitmask: logits must be [batch, vocab]");
+        if (bitmask.is_none()) fail("apply_token_bitmask: bitmask is required");
+        const int64_t batch = logits.shape(0), vocab = logits.shape(1);
+        Bitmask holder;
+        std::vector<const int32_t *> masks = bitmask_rows(bitmask, holder, batch, vocab, "apply_token_bitmask");
+        py::array_t<float> out({batch, vocab});
+        float * o = out.mutable_data();
+        std::copy(logits.data(), logits.data() + batch * vocab, o);
+        for (int64_t i = 0; i < batch; ++i) apply_token_bitmask(o + i * vocab, vocab, masks[i]);
+        return out;
+    }, py::arg("logits"), py::arg("bitmask"),
+       "a copy of logits [batch, vocab] with every token whose bit is clear set to -inf");
     m.def("distribution", [](const Logits & logits, const py::sequence & states_seq) {
         std::vector<const SamplingState *> states = states_of(logits, states_seq, "distribution");
         py::array_t<float> out({logits.shape(0), logits.shape(1)});

@@ -1,5 +1,6 @@
 // lmd.turbomind._turbomind.LlamaModel and Engine: the C++ model with its paged KV cache
 // (which tests may also drive one step at a time), and the engine whose thread runs it.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -216,10 +217,62 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
     self.model->forward(in, logits.ptr<float>());
 }
 
+// A request's lmd.guided.TokenConstraint, held by the engine. Dropped with the GIL, from whichever
+// thread lets it go (the engine thread never holds its mutex then: see Constraint).
+struct PyConstraint : Constraint {
+    py::object obj;
+    ~PyConstraint() override {
+        if (!obj) return;
+        py::gil_scoped_acquire gil;
+        obj = py::object();
+    }
+};
+
+std::string python_error(const std::exception & e, const char * what) {
+    return std::string("the response_format grammar failed in ") + what + ": " + e.what();
+}
+
+// The engine thread's calls into the constraints: the GIL once per call, for every row of a step.
+struct PyConstraintOps : ConstraintOps {
+    void fill_bitmasks(Constraint * const * cs, int64_t n, int32_t * bitmask, int64_t num_words,
+                       std::string * errors) override {
+        py::gil_scoped_acquire gil;
+        // a view of the engine's buffer for this call only: [n, num_words] int32
+        py::capsule borrowed(bitmask, [](void *) {});
+        py::array_t<int32_t> view({n, num_words}, {num_words * (int64_t) sizeof(int32_t), (int64_t) sizeof(int32_t)},
+                                  bitmask, borrowed);
+        for (int64_t i = 0; i < n; ++i) {
+            try {
+                static_cast<PyConstraint *>(cs[i])->obj.attr("fill_bitmask")(view, i);
+            } catch (const std::exception & e) {  // py::error_already_set included: the GIL is held here
+                errors[i] = python_error(e, "fill_bitmask");
+            }
+        }
+    }
+
+    void accept(Constraint * const * cs, const int32_t * tokens, int64_t n, std::string * errors) override {
+        py::gil_scoped_acquire gil;
+        for (int64_t i = 0; i < n; ++i) {
+            try {
+                if (!static_cast<PyConstraint *>(cs[i])->obj.attr("accept")(tokens[i]).cast<bool>()) {
+                    errors[i] = "token " + std::to_string(tokens[i]) + " breaks the response_format grammar";
+                }
+            } catch (const std::exception & e) {
+                errors[i] = python_error(e, "accept");
+            }
+        }
+    }
+};
+
 // The engine plus the model object it runs (which keeps the weights alive).
 struct PyEngine {
     py::object model;
     std::unique_ptr<Engine> engine;
+    ~PyEngine() {
+        // the engine thread may be waiting for the GIL (a constrained step, or a constraint dropped)
+        py::gil_scoped_release release;
+        engine.reset();
+    }
 };
 
 template <typename T>
@@ -299,14 +352,27 @@ void bind_models(py::module_ & m) {
                  c.enable_prefix_caching = enable_prefix_caching;
                  c.sampler_seed = sampler_seed;
                  auto e = new PyEngine{model, nullptr};
-                 e->engine = std::make_unique<Engine>(pm.model, c);
+                 e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>());
                  return e;
              }),
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
              py::arg("enable_prefix_caching"), py::arg("sampler_seed"))
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
-                       const py::dict & sampling, bool sequence_start, bool sequence_end) {
+                       const py::dict & sampling, bool sequence_start, bool sequence_end, py::object constraint) {
                  Request r;
+                 if (!constraint.is_none()) {
+                     const int64_t vocab = self.model.cast<PyLlamaModel &>().model->config().vocab_size;
+                     if (!py::hasattr(constraint, "fill_bitmask") || !py::hasattr(constraint, "accept")) {
+                         fail("constraint: expected an lmd.guided.TokenConstraint (fill_bitmask, accept)");
+                     }
+                     if (constraint.attr("num_words").cast<int64_t>() != (vocab + 31) / 32) {
+                         fail("constraint: built for another vocabulary size than the model's " + std::to_string(vocab));
+                     }
+                     auto c = std::make_unique<PyConstraint>();
+                     for (py::handle t : constraint.attr("stop_token_ids")) c->stop_token_ids.push_back(t.cast<int32_t>());
+                     c->obj = constraint;
+                     r.constraint = std::move(c);
+                 }
                  r.session_id = session_id;
                  r.token_ids = std::move(token_ids);
                  r.max_new_tokens = max_new_tokens;
@@ -316,7 +382,8 @@ void bind_models(py::module_ & m) {
                  self.engine->add(std::move(r));
              },
              py::arg("session_id"), py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("sampling"),
-             py::arg("sequence_start") = true, py::arg("sequence_end") = true)
+             py::arg("sequence_start") = true, py::arg("sequence_end") = true, py::arg("constraint") = py::none(),
+             "constraint: None, or the request's lmd.guided.TokenConstraint (structured output)")
         .def("abort", [](PyEngine & self, int64_t sid) { self.engine->abort(sid); }, py::arg("session_id"))
         .def("end", [](PyEngine & self, int64_t sid) { self.engine->end(sid); }, py::arg("session_id"))
         .def("wait_outputs", [](PyEngine & self, double timeout_s) {

@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <stdexcept>
 
 namespace turbomind {
 
-Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config)
+Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
+               std::shared_ptr<ConstraintOps> constraint_ops)
     : model_(std::move(model)),
       config_(config),
+      constraint_ops_(std::move(constraint_ops)),
       blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
       sampler_(config.sampler_seed) {
     update_stats();
@@ -20,6 +23,9 @@ Engine::~Engine() { close(); }
 // ---- the callers' side --------------------------------------------------------------------------
 
 void Engine::add(Request request) {
+    if (request.constraint && !constraint_ops_) {
+        throw std::invalid_argument("this engine was built without constraint ops: no structured output");
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_) throw std::runtime_error("the engine is closed");
     inbox_.push_back(Message{Message::add, std::move(request), 0});
@@ -87,6 +93,7 @@ void Engine::loop() {
             pending.insert(pending.end(), waiting_.begin(), waiting_.end());
             for (Sequence * seq : pending) finish(seq, Finish::abort);
             update_stats();
+            std::vector<Message> late;  // destroyed after the lock is let go: a Constraint's destructor takes the GIL
             std::lock_guard<std::mutex> lock(mutex_);
             for (Message & m : inbox_) {
                 if (m.kind == Message::add) {
@@ -96,7 +103,7 @@ void Engine::loop() {
                     outbox_.push_back(std::move(o));
                 }
             }
-            inbox_.clear();
+            late.swap(inbox_);
             stopped_ = true;
             outbox_cv_.notify_all();
             return;
@@ -167,6 +174,8 @@ void Engine::on_add(Request & r) {
     seq->sampling = r.sampling;
     seq->sampling_state = std::make_unique<SamplingState>(seq->sampling, seq->blocks.token_ids.data(),
                                                           seq->blocks.num_tokens());
+    seq->constraint = std::move(r.constraint);
+    seq->sampling_state->constrained = seq->constraint != nullptr;
     seq->sequence_end = r.sequence_end;
     seq->status = Status::waiting;
     waiting_.push_back(seq);
@@ -346,16 +355,75 @@ bool Engine::step() {
     std::vector<const SamplingState *> states;
     for (Sequence * seq : sampled) states.push_back(seq->sampling_state.get());
     const int64_t batch = static_cast<int64_t>(sampled.size());
+
+    // structured output: the constrained rows' bitmasks, one call for all of them
+    std::vector<size_t> con_rows;  // rows of sampled with a constraint
+    for (size_t i = 0; i < sampled.size(); ++i) {
+        if (sampled[i]->constraint) con_rows.push_back(i);
+    }
+    std::vector<const int32_t *> masks;  // per row: its bitmask or null
+    std::vector<std::string> con_errors(sampled.size());
+    if (!con_rows.empty()) {
+        const int64_t words = (vocab + 31) / 32;
+        std::vector<Constraint *> cs;
+        for (size_t i : con_rows) cs.push_back(sampled[i]->constraint.get());
+        std::vector<std::string> errors(cs.size());
+        bitmask_.assign(cs.size() * words, -1);  // a row that fails stays all-allowed
+        constraint_ops_->fill_bitmasks(cs.data(), static_cast<int64_t>(cs.size()), bitmask_.data(), words,
+                                       errors.data());
+        masks.assign(sampled.size(), nullptr);
+        for (size_t j = 0; j < con_rows.size(); ++j) {
+            masks[con_rows[j]] = bitmask_.data() + j * words;
+            con_errors[con_rows[j]] = std::move(errors[j]);
+        }
+    }
     sampled_ids_.resize(sampled.size());
-    sampler_.sample(logits_.data(), batch, vocab, vocab, states.data(), sampled_ids_.data(), &sampled_logprobs_);
+    sampler_.sample(logits_.data(), batch, vocab, vocab, states.data(), sampled_ids_.data(), &sampled_logprobs_,
+                    masks.empty() ? nullptr : masks.data());
+
+    // what ends each row, and the constrained rows' tokens to accept (again one call)
+    std::vector<uint8_t> stops(sampled.size(), 0);
+    std::vector<Constraint *> accepting;
+    std::vector<int32_t> accepted_ids;
+    std::vector<size_t> accepted_rows;
     for (size_t i = 0; i < sampled.size(); ++i) {
         Sequence * seq = sampled[i];
         const SamplingParams & sp = seq->sampling;
         const int32_t token = sampled_ids_[i];
         const bool is_stop = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end();
-        if (is_stop && seq->num_generated() >= sp.min_new_tokens) {
+        // a grammar, not min_new_tokens, decides where a constrained answer ends
+        stops[i] = is_stop && (seq->num_generated() >= sp.min_new_tokens || seq->constraint);
+        if (seq->constraint && !stops[i] && con_errors[i].empty()) {
+            accepting.push_back(seq->constraint.get());
+            accepted_ids.push_back(token);
+            accepted_rows.push_back(i);
+        }
+    }
+    if (!accepting.empty()) {
+        std::vector<std::string> errors(accepting.size());
+        constraint_ops_->accept(accepting.data(), accepted_ids.data(), static_cast<int64_t>(accepting.size()),
+                                errors.data());
+        for (size_t j = 0; j < accepted_rows.size(); ++j) con_errors[accepted_rows[j]] = std::move(errors[j]);
+    }
+
+    for (size_t i = 0; i < sampled.size(); ++i) {
+        Sequence * seq = sampled[i];
+        const SamplingParams & sp = seq->sampling;
+        const int32_t token = sampled_ids_[i];
+        if (stops[i]) {
             finish(seq, Finish::stop);  // the stop token is neither output nor kept in the session
             continue;
+        }
+        if (!con_errors[i].empty()) {
+            finish(seq, Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + con_errors[i]);
+            continue;
+        }
+        if (seq->constraint) {
+            const std::vector<int32_t> & ends = seq->constraint->stop_token_ids;
+            if (std::find(ends.begin(), ends.end(), token) != ends.end()) {
+                finish(seq, Finish::stop);  // the grammar is complete (a stop token the request ignores)
+                continue;
+            }
         }
         seq->blocks.token_ids.push_back(token);
         seq->sampling_state->append(token);

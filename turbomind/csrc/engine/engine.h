@@ -8,6 +8,13 @@
 // decode needs one token, a chunked prefill the rest of its prompt), then waiting ones in FIFO
 // order. When blocks run out, idle sessions give theirs up first, then the newest running
 // sequence is preempted and recomputed later (its generated tokens stay in its context).
+//
+// Structured output: a request may carry a Constraint (its grammar, owned by the layer above:
+// lmd.guided.TokenConstraint behind the binding). Each step the engine asks ConstraintOps for
+// the bitmasks of all constrained rows at once, the sampler masks those rows after penalties,
+// and after sampling ConstraintOps::accept gets all their tokens at once; the binding takes the
+// GIL once for each of the two calls. Rows without a constraint cost nothing. The constraint
+// lives in the sequence, so preemption does not replay it.
 #pragma once
 
 #include <condition_variable>
@@ -30,6 +37,26 @@ namespace turbomind {
 
 enum class Finish : int8_t { none = 0, stop = 1, length = 2, abort = 3, error = 4 };
 
+// A request's grammar; the engine only holds it and hands it to ConstraintOps. Destroyed on the
+// engine thread (or the caller's, for a request that never started), never under the engine's mutex.
+struct Constraint {
+    virtual ~Constraint() = default;
+    std::vector<int32_t> stop_token_ids;  // taking one of these completes the grammar
+};
+
+// What the engine asks of the constraints of one step's rows, all of them in one call.
+// Failures are per row: errors[i] non-empty ends that request with Finish::error.
+class ConstraintOps {
+public:
+    virtual ~ConstraintOps() = default;
+    // bitmask: [n, num_words] int32, xgrammar's layout (bit t % 32 of word t / 32 set: token t
+    // allowed); row i for cs[i]
+    virtual void fill_bitmasks(Constraint * const * cs, int64_t n, int32_t * bitmask, int64_t num_words,
+                               std::string * errors) = 0;
+    // cs[i] takes tokens[i]; errors[i] says why it could not
+    virtual void accept(Constraint * const * cs, const int32_t * tokens, int64_t n, std::string * errors) = 0;
+};
+
 struct Request {
     int64_t session_id = 0;
     std::vector<int32_t> token_ids;
@@ -37,6 +64,7 @@ struct Request {
     SamplingParams sampling;
     bool sequence_start = true;
     bool sequence_end = true;
+    std::unique_ptr<Constraint> constraint;  // structured output; null: none
 };
 
 // New tokens of one request since its last output; finish is set on its last.
@@ -71,7 +99,9 @@ struct EngineStats {
 
 class Engine {
 public:
-    Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config);
+    // constraint_ops: serves requests that carry a Constraint (null: such requests are refused)
+    Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
+           std::shared_ptr<ConstraintOps> constraint_ops = nullptr);
     ~Engine();
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
@@ -99,6 +129,7 @@ private:
         int64_t max_new_tokens = 0;
         SamplingParams sampling;
         std::unique_ptr<SamplingState> sampling_state;
+        std::unique_ptr<Constraint> constraint;  // this turn's grammar, or null
         bool sequence_end = true;
         bool is_admitted = false;
         int64_t num_generated() const { return blocks.num_tokens() - num_prompt_tokens; }
@@ -132,6 +163,7 @@ private:
 
     std::shared_ptr<LlamaModel> model_;
     EngineConfig config_;
+    std::shared_ptr<ConstraintOps> constraint_ops_;
     BlockManager blocks_;
     Sampler sampler_;
 
@@ -144,6 +176,7 @@ private:
     std::vector<float> logits_;
     std::vector<int32_t> sampled_ids_;
     std::vector<std::vector<TokenLogprob>> sampled_logprobs_;
+    std::vector<int32_t> bitmask_;  // [constrained rows, ceil(vocab / 32)] of the step
     std::vector<Output> pending_;  // outputs of this iteration, published by update_stats()
 
     // shared with callers

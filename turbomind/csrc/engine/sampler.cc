@@ -73,7 +73,7 @@ void process_row(const float * x, int64_t V, const SamplingState & s, float * ou
     for (int32_t t : p.bad_token_ids) {
         if (t >= 0 && t < V) out[t] = kNegInf;
     }
-    if (s.num_generated < p.min_new_tokens) {
+    if (s.num_generated < p.min_new_tokens && !s.constrained) {
         for (int32_t t : p.stop_token_ids) {
             if (t >= 0 && t < V) out[t] = kNegInf;
         }
@@ -247,16 +247,20 @@ int32_t draw(const Candidates & c, double u) {
     return c.id(last);
 }
 
-const float * processed_row(const float * raw, int64_t V, const SamplingState & s, RowScratch & sc) {
-    if (!s.needs_processing()) return raw;
+// The row after penalties, masks and its bitmask (null: none); raw itself when nothing applies.
+const float * processed_row(const float * raw, int64_t V, const SamplingState & s, const int32_t * bitmask,
+                            RowScratch & sc) {
+    if (!s.needs_processing() && !bitmask) return raw;
     sc.work.resize(V);
     process_row(raw, V, s, sc.work.data());
+    if (bitmask) apply_token_bitmask(sc.work.data(), V, bitmask);
     return sc.work.data();
 }
 
 // One row's token; u: its uniform (unused when greedy).
-int32_t sample_row(const float * raw, int64_t V, const SamplingState & s, double u, RowScratch & sc) {
-    const float * x = processed_row(raw, V, s, sc);
+int32_t sample_row(const float * raw, int64_t V, const SamplingState & s, const int32_t * bitmask, double u,
+                   RowScratch & sc) {
+    const float * x = processed_row(raw, V, s, bitmask, sc);
     const int32_t best = argmax(x, V);
     // every token masked (or NaN): nothing to draw from, take the argmax's pick
     if (s.greedy || !(x[best] > kNegInf)) return best;
@@ -328,7 +332,19 @@ void SamplingState::append(int32_t token_id) {
 bool SamplingState::needs_processing() const {
     const SamplingParams & p = params;
     return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
-           !p.bad_token_ids.empty() || (num_generated < p.min_new_tokens && !p.stop_token_ids.empty());
+           !p.bad_token_ids.empty() || (num_generated < p.min_new_tokens && !p.stop_token_ids.empty() && !constrained);
+}
+
+void apply_token_bitmask(float * x, int64_t vocab, const int32_t * bitmask) {
+    const int64_t words = (vocab + 31) / 32;
+    for (int64_t w = 0; w < words; ++w) {
+        const uint32_t bits = (uint32_t) bitmask[w];
+        if (bits == 0xFFFFFFFFu) continue;  // a grammar allows few tokens or most: skip whole words
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        for (int64_t j = 0; j < n; ++j) {
+            if (!((bits >> j) & 1u)) x[base + j] = kNegInf;
+        }
+    }
 }
 
 // ---- the sampler
@@ -347,7 +363,7 @@ double Sampler::seeded_uniform(uint64_t seed, uint64_t num_generated) {
 
 void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
                      const SamplingState * const * states, int32_t * token_ids,
-                     std::vector<std::vector<TokenLogprob>> * logprobs) {
+                     std::vector<std::vector<TokenLogprob>> * logprobs, const int32_t * const * bitmasks) {
     // one uniform per sampled row, drawn before the rows run so the stream's order is row order
     std::vector<double> u(batch, 0.0);
     for (int64_t i = 0; i < batch; ++i) {
@@ -365,7 +381,7 @@ void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t
         RowScratch & sc = row_scratch();
         const float * raw = logits + i * row_stride;
         const SamplingState & s = *states[i];
-        token_ids[i] = sample_row(raw, vocab, s, u[i], sc);
+        token_ids[i] = sample_row(raw, vocab, s, bitmasks ? bitmasks[i] : nullptr, u[i], sc);
         if (logprobs && s.params.logprobs >= 0) {
             row_logprobs(raw, vocab, token_ids[i], s.params.logprobs, sc, (*logprobs)[i]);
         }
@@ -373,8 +389,11 @@ void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t
 }
 
 void Sampler::process_logits(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
-                             const SamplingState * const * states, float * out) {
-    for (int64_t i = 0; i < batch; ++i) process_row(logits + i * row_stride, vocab, *states[i], out + i * vocab);
+                             const SamplingState * const * states, float * out, const int32_t * const * bitmasks) {
+    for (int64_t i = 0; i < batch; ++i) {
+        process_row(logits + i * row_stride, vocab, *states[i], out + i * vocab);
+        if (bitmasks && bitmasks[i]) apply_token_bitmask(out + i * vocab, vocab, bitmasks[i]);
+    }
 }
 
 void Sampler::distribution(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
@@ -384,7 +403,7 @@ void Sampler::distribution(const float * logits, int64_t batch, int64_t vocab, i
         float * o = out + i * vocab;
         std::fill(o, o + vocab, 0.0f);
         const SamplingState & s = *states[i];
-        const float * x = processed_row(logits + i * row_stride, vocab, s, sc);
+        const float * x = processed_row(logits + i * row_stride, vocab, s, nullptr, sc);
         const int32_t best = argmax(x, vocab);
         if (s.greedy || !(x[best] > kNegInf)) {
             o[best] = 1.0f;

@@ -5,7 +5,8 @@
 // Processing order, as HF generate applies it:
 //   repetition_penalty (prompt + generated ids) -> presence / frequency penalty (generated ids,
 //   OpenAI semantics) -> bad_token_ids to -inf -> stop_token_ids to -inf while
-//   num_generated < min_new_tokens -> greedy: argmax (ties: lowest id)
+//   num_generated < min_new_tokens (not under a constraint) -> a structured-output bitmask's
+//   cleared tokens to -inf -> greedy: argmax (ties: lowest id)
 //   -> else temperature -> top_k -> top_p -> min_p -> one inverse-CDF draw
 //
 // Kept sets (filter_sorted in the Python version): top_k keeps the k best and renormalizes over
@@ -14,7 +15,8 @@
 // top_k but with top_p / min_p takes its probabilities over the whole vocabulary.
 //
 // Logprobs are log_softmax of the raw logits, before any processing (vLLM's default): the chosen
-// token's, then the top-k alternatives best first (the chosen one not repeated).
+// token's, then the top-k alternatives best first (the chosen one not repeated). A constrained
+// row's logprobs are the model's, not the grammar's.
 //
 // Reproducibility: every sampled row takes exactly one uniform u per step. A seeded row's u is a
 // counter-based hash of (random_seed, num_generated), so it samples the same tokens whatever else
@@ -59,6 +61,7 @@ bool sampling_params_is_greedy(const SamplingParams & p);
 struct SamplingState {
     SamplingParams params;
     bool greedy = true;
+    bool constrained = false;  // a grammar decides where the text ends: stop ids are never held back
     int32_t num_generated = 0;
     std::unordered_map<int32_t, int32_t> output_counts;  // token id -> times generated
     std::vector<int32_t> seen_ids;                       // prompt + generated, each once, first-seen order
@@ -72,6 +75,10 @@ struct SamplingState {
     bool needs_processing() const;
 };
 
+// Set to -inf every x[t] (t < vocab) whose bit is clear in bitmask (xgrammar's layout: bit t % 32
+// of word t / 32; ceil(vocab / 32) words).
+void apply_token_bitmask(float * x, int64_t vocab, const int32_t * bitmask);
+
 struct TokenLogprob {
     int32_t token_id;
     float logprob;
@@ -84,17 +91,20 @@ public:
 
     // logits: [batch, vocab] float32, row i at logits + i * row_stride, never modified;
     // states[i] for row i. Writes token_ids[batch]. logprobs (may be null) is resized to batch;
-    // row i is filled when states[i]->params.logprobs >= 0, else left empty. Rows run in parallel
-    // (OpenMP) when the batch is big enough. Not thread-safe (the engine thread owns it).
+    // row i is filled when states[i]->params.logprobs >= 0, else left empty. bitmasks (may be
+    // null): per row, null or its structured-output bitmask (apply_token_bitmask), applied after
+    // penalties and masks. Rows run in parallel (OpenMP) when the batch is big enough. Not
+    // thread-safe (the engine thread owns it).
     void sample(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
                 const SamplingState * const * states, int32_t * token_ids,
-                std::vector<std::vector<TokenLogprob>> * logprobs);
+                std::vector<std::vector<TokenLogprob>> * logprobs, const int32_t * const * bitmasks = nullptr);
 
     // ---- for tests and debugging (not the hot path)
 
     // the logits after penalties and masks: out [batch, vocab]
     static void process_logits(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
-                               const SamplingState * const * states, float * out);
+                               const SamplingState * const * states, float * out,
+                               const int32_t * const * bitmasks = nullptr);
     // the distribution a sampled row draws from, in vocab order (normalized; cut tokens 0):
     // out [batch, vocab]; a greedy row gets a one-hot at its argmax
     static void distribution(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
