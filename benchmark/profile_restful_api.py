@@ -22,7 +22,9 @@ mean / P50 / P99 of each latency, the server's CPU seconds per wall second and
 peak RSS (its whole process tree).
 
 ``--servers`` names what to start, one after another on the same prompts:
-``lmd`` (``--lmd-backend``), ``lmd-turbomind``, ``lmd-pytorch``, ``llama-server``
+``lmd`` (``--lmd-backend``), ``lmd-turbomind``, ``lmd-pytorch`` (each optionally
+``:MODEL_FORMAT[:DTYPE]``: ``lmd-turbomind:hf`` float32, ``lmd-turbomind:gguf`` the
+GGUF's 4-bit matmuls as W4A16), ``llama-server``
 (``--gguf``), ``llama-server-f16`` (the F16 GGUF gguf_files.py writes), ``vllm``
 (``--vllm-dtype``, the venv of setup_vllm_cpu.sh), or ``NAME=URL`` for a server
 already running. Each gets the same ``--max-batch-size`` (lmd's max_batch_size,
@@ -217,7 +219,7 @@ def summarize(requests: list[Request], results: list[Result], duration: float, e
         if r.num_tokens > 1:
             ms['tpot'].append((r.chunk_times[-1] - r.chunk_times[0]) * 1e3 / (r.num_tokens - 1))
     out_tokens = sum(r.num_tokens for r in ok)
-    in_tokens = sum(requests[r.index].input_len for r in ok)
+    in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else requests[r.index].input_len for r in ok)
     chunks = sum(len(r.chunk_times) for r in ok)
     s = {'completed': len(ok), 'failed': len(results) - len(ok), 'duration_s': round(duration, 3),
          'request_throughput': round(len(ok) / duration, 3),
@@ -282,11 +284,14 @@ def server_specs(args, model_dir: str) -> list[Server]:
         port = free_port()
         base = f'http://127.0.0.1:{port}'
         if name.startswith('lmd'):
-            backend = name.split('-', 1)[1] if '-' in name else args.lmd_backend
+            kind, fmt, dtype = (name.split(':') + [None, None])[:3]
+            backend = kind.split('-', 1)[1] if '-' in kind else args.lmd_backend
+            extra = (['--model-format', fmt] if fmt else []) + (['--dtype', dtype] if dtype else [])
             cmd = [sys.executable, '-m', 'lmd.serve.api_server', args.model, '--server-name', '127.0.0.1',
                    '--server-port', str(port), '--backend', backend, '--max-batch-size', str(args.max_batch_size),
-                   '--log-level', 'WARNING', *shlex.split(args.lmd_args)]
-            servers.append(Server(name, 'lmd', cmd, base, f'{args.model} ({backend}) {args.lmd_args}'.strip()))
+                   '--log-level', 'WARNING', *extra, *shlex.split(args.lmd_args)]
+            weights = f'{args.model}, {backend}, model_format {fmt or "auto"}, dtype {dtype or "auto"}'
+            servers.append(Server(name, 'lmd', cmd, base, f'{weights} {args.lmd_args}'.strip()))
         elif name.startswith('llama-server'):
             gguf = f16_gguf(args.gguf) if name == 'llama-server-f16' else args.gguf
             cmd = [args.llama_server, '-m', gguf, '-t', str(args.num_threads), '-tb', str(args.num_threads),
@@ -296,8 +301,8 @@ def server_specs(args, model_dir: str) -> list[Server]:
             servers.append(Server(name, 'llama-server', cmd, base, os.path.basename(gguf)))
         elif name == 'vllm':
             py = os.path.join(args.vllm_venv, 'bin', 'python')
-            # `vllm serve` (python -m vllm.entrypoints.openai.api_server is deprecated in 0.32)
-            cmd = [py, '-m', 'vllm.entrypoints.cli.main', 'serve', model_dir,
+            # not `vllm serve`: the CLI asks for the distribution 'vllm', and vllm-cpu's is 'vllm-cpu'
+            cmd = [py, '-m', 'vllm.entrypoints.openai.api_server', '--model', model_dir,
                    '--served-model-name', 'smollm2', '--host', '127.0.0.1', '--port', str(port),
                    '--dtype', args.vllm_dtype, '--max-num-seqs', str(args.max_batch_size),
                    '--max-model-len', str(ctx), '--no-enable-prefix-caching', *shlex.split(args.vllm_args)]
@@ -335,7 +340,7 @@ def check_runnable(s: Server) -> str | None:
 
 
 def start(s: Server, log_dir: str, timeout: float) -> None:
-    """Start ``s`` and wait until it answers /v1/models (and /health, where it has one)."""
+    """Start ``s`` and wait until /health (where it has one) and /v1/models answer 200."""
     import httpx
     s.log_path = os.path.join(log_dir, f'{s.name}.log')
     log(f'{s.name}: {" ".join(s.cmd)}')
@@ -347,8 +352,9 @@ def start(s: Server, log_dir: str, timeout: float) -> None:
         if s.proc.poll() is not None:
             raise RuntimeError(f'{s.name} exited with {s.proc.returncode} while starting; log {s.log_path}:\n'
                                f'{tail(s.log_path)}')
-        try:
-            if httpx.get(s.base_url + '/v1/models', timeout=2).status_code == 200:
+        try:  # lmd and llama-server list the model while still loading; /health says 503 until ready
+            if (httpx.get(s.base_url + '/health', timeout=2).status_code in (200, 404)
+                    and httpx.get(s.base_url + '/v1/models', timeout=2).status_code == 200):
                 return
         except httpx.HTTPError:
             pass
@@ -377,24 +383,36 @@ def tail(path: str, n: int = 1500) -> str:
         return ''
 
 
-def process_tree(pid: int) -> list:
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        return [p, *p.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    ppid = int(f.read().rsplit(')', 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
 
 
 def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the process tree (live processes; reaped children included)."""
     total = 0.0
     for p in process_tree(pid):
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except Exception:
+            with open(f'/proc/{p}/stat') as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):
             pass
-    return total
+    return total / os.sysconf('SC_CLK_TCK')
 
 
 def tree_peak_rss_mib(pid: int) -> float:
@@ -402,7 +420,7 @@ def tree_peak_rss_mib(pid: int) -> float:
     total = 0
     for p in process_tree(pid):
         try:
-            with open(f'/proc/{p.pid}/status') as f:
+            with open(f'/proc/{p}/status') as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
         except (OSError, StopIteration):
             pass
@@ -510,7 +528,7 @@ def markdown_table(results: list[dict]) -> str:
     lines = ['| ' + ' | '.join(head) + ' |', '| --- |' + ' ---: |' * (len(head) - 1)]
     for label, get, _ in TABLE_ROWS:
         vals = [get(r) for r in done]
-        cells = [fmt(v) for v in vals] + [fmt(ratio(get(a), get(b))) for a, b in pairs]
+        cells = [fmt(v) for v in vals] + [fmt_ratio(ratio(get(a), get(b))) for a, b in pairs]
         lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
     lines.append('| token check | ' + ' | '.join('ok' if r['token_check']['ok'] else 'mismatch' for r in done)
                  + ' |' + ' |' * len(pairs))
@@ -521,6 +539,10 @@ def fmt(v) -> str:
     if v is None:
         return ''
     return f'{v:.1f}' if isinstance(v, float) and abs(v) >= 10 else f'{v:.3g}' if isinstance(v, float) else str(v)
+
+
+def fmt_ratio(v) -> str:
+    return '' if v is None else f'{v:.2f}'
 
 
 def expected_seconds(kind: str, wl: dict, warmup: int) -> float:
@@ -534,15 +556,17 @@ def expected_seconds(kind: str, wl: dict, warmup: int) -> float:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--servers', default='lmd', help=f'comma-separated: {", ".join(SERVER_KINDS)}, or NAME=URL')
+    p.add_argument('--servers', default='lmd',
+                   help=f'comma-separated: {", ".join(SERVER_KINDS)}, or NAME=URL (running already); an lmd entry may '
+                        'end in :MODEL_FORMAT[:DTYPE], e.g. lmd-turbomind:hf (float32), lmd-turbomind:gguf (W4A16)')
     p.add_argument('--endpoint', choices=('completions', 'chat'), default='completions')
     p.add_argument('--prompt-format', choices=('text', 'ids'), default='text',
                    help="completions prompt: the window's text, or its token ids")
-    p.add_argument('--num-prompts', type=int, default=64)
+    p.add_argument('--num-prompts', type=int, default=128)
     p.add_argument('--input-len', default='64,512', help='prompt tokens: N or LO,HI (uniform, inclusive)')
     p.add_argument('--output-len', default='64,256', help='output tokens (max_tokens with ignore_eos): N or LO,HI')
     p.add_argument('--request-rate', type=float, default=math.inf, help='Poisson arrivals per second; inf: all at once')
-    p.add_argument('--concurrency', type=int, default=None, help='at most this many requests in flight')
+    p.add_argument('--concurrency', type=int, default=16, help='at most this many requests in flight (0: no limit)')
     p.add_argument('--warmup', type=int, default=2, help='short requests before the timed run')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--model', default='smollm2', help="lmd's model; its tokenizer makes the prompts and vLLM "
@@ -556,7 +580,9 @@ def parse_args(argv=None):
     p.add_argument('--llama-server', default=LLAMA_SERVER)
     p.add_argument('--llama-args', default='', help='more llama-server flags')
     p.add_argument('--vllm-venv', default=VLLM_VENV)
-    p.add_argument('--vllm-dtype', default='bfloat16', choices=('bfloat16', 'float16', 'float32'))
+    p.add_argument('--vllm-dtype', default='float32', choices=('float32', 'bfloat16', 'float16'),
+                   help="vLLM's weights and activations; on AVX2 without AVX512-BF16 its oneDNN GEMM takes "
+                        'float32 only (16-bit falls back to torch.nn.functional.linear)')
     p.add_argument('--vllm-kv-gib', type=int, default=2, help='VLLM_CPU_KVCACHE_SPACE (GiB of KV cache)')
     p.add_argument('--vllm-args', default='', help='more vLLM server flags')
     p.add_argument('--api-key', default=None)
@@ -565,7 +591,10 @@ def parse_args(argv=None):
     p.add_argument('--json', default=None, metavar='OUT', help='write every result here')
     p.add_argument('--log-dir', default=None, help='server logs (default: a temporary directory, kept)')
     p.add_argument('--dry-run', action='store_true', help='print the plan and its expected duration, start nothing')
+    p.add_argument('--quick', action='store_true', help='smoke run: 4 prompts of 32-64 tokens, 8-16 out, 1 warmup')
     args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len, args.warmup = 4, '32,64', '8,16', 1
     try:
         args.input_lo, args.input_hi = parse_range(args.input_len)
         args.output_lo, args.output_hi = parse_range(args.output_len)
@@ -575,12 +604,13 @@ def parse_args(argv=None):
         p.error(f'--num-prompts must be >= 1, got {args.num_prompts}')
     if not args.request_rate > 0:
         p.error(f'--request-rate must be > 0 (inf: all at once), got {args.request_rate}')
-    if args.concurrency is not None and args.concurrency < 1:
-        p.error(f'--concurrency must be >= 1, got {args.concurrency}')
+    if args.concurrency < 0:
+        p.error(f'--concurrency must be >= 0 (0: no limit), got {args.concurrency}')
     if args.max_batch_size < 1:
         p.error(f'--max-batch-size must be >= 1, got {args.max_batch_size}')
     args.server_list = [s.strip() for s in args.servers.split(',') if s.strip()]
-    bad = [s for s in args.server_list if '=' not in s and s not in SERVER_KINDS]
+    bad = [s for s in args.server_list if '=' not in s and s.split(':')[0] not in SERVER_KINDS
+           or s.startswith('lmd') and len(s.split(':')) > 3 or not s.startswith('lmd') and ':' in s.split('=')[0]]
     if bad or not args.server_list:
         p.error(f'--servers: unknown {bad}; choose from {", ".join(SERVER_KINDS)} or NAME=URL')
     if args.endpoint == 'chat' and args.prompt_format == 'ids':
