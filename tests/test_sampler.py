@@ -334,3 +334,103 @@ def test_non_float32_logits_are_accepted():
     logits = torch.randn(3, 100).to(torch.bfloat16)
     out = Sampler().sample(logits, [SamplingState(SamplingParams(), [1]) for _ in range(3)])
     assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
+# --- structured output: a constraint's bitmask --------------------------------------------------
+
+def bitmask_of(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """int32 [n, ceil(vocab / 32)], xgrammar's layout, built bit by bit in plain Python."""
+    words = (vocab + 31) // 32
+    rows = []
+    for ids in allowed:
+        row = []
+        for w in range(words):
+            v = sum(1 << b for b in range(32) if w * 32 + b in ids)
+            row.append(v - (1 << 32) if v >= 1 << 31 else v)  # as a signed int32
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+class FixedConstraint:
+    """A constraint allowing a fixed set every step (the engine's contract, without a grammar)."""
+
+    def __init__(self, allowed: set[int], vocab: int):
+        self.allowed, self.vocab_size = allowed, vocab
+        self.num_words = (vocab + 31) // 32
+        self.stop_token_ids = frozenset()
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = bitmask_of([self.allowed], self.vocab_size)[0]
+
+    def accept(self, token_id):
+        self.accepted.append(token_id)
+        return token_id in self.allowed
+
+
+@pytest.mark.parametrize('vocab', [1, 31, 32, 33, 100, 257])
+def test_apply_token_bitmask_matches_a_python_reference(vocab):
+    from lmd.pytorch_backend.sampler import apply_token_bitmask_, unpack_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    # every 32nd bit and the sign bit of each word included; one row allows nothing, one all
+    allowed = [set(torch.randperm(vocab, generator=g)[:vocab // 2].tolist()) | {t for t in range(vocab) if t % 32 == 31},
+               set(range(vocab)), set(), {vocab - 1}]
+    bitmask = bitmask_of(allowed, vocab)
+
+    def reference(row: torch.Tensor, ids: set[int]) -> torch.Tensor:
+        return torch.tensor([v if t in ids else float('-inf') for t, v in enumerate(row.tolist())])
+
+    assert unpack_bitmask(bitmask, vocab).tolist() == [[t in ids for t in range(vocab)] for ids in allowed]
+    expect = torch.stack([reference(logits[r], ids) for r, ids in enumerate(allowed)])
+    assert torch.equal(apply_token_bitmask_(logits.clone(), bitmask), expect)
+    # a subset of rows: bitmask row j masks logits row rows[j]
+    got = apply_token_bitmask_(logits.clone(), bitmask[[0, 3]], rows=[2, 0])
+    assert torch.equal(got[2], reference(logits[2], allowed[0])) and torch.equal(got[0], reference(logits[0], allowed[3]))
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])
+    with pytest.raises(ValueError, match='covers'):
+        unpack_bitmask(bitmask[:, :0], vocab)
+
+
+def test_constrained_rows_pick_allowed_tokens_and_leave_others_alone():
+    vocab = 300
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=g)
+    allowed = {5, 77, 250}
+    con = FixedConstraint(allowed, vocab)
+    states = [SamplingState(SamplingParams(logprobs=2), []), SamplingState(SamplingParams(), [], con),
+              SamplingState(sampled(random_seed=1), [])]
+    before = logits.clone()
+    out = Sampler().sample(logits, states)
+    assert torch.equal(logits, before)
+    assert out.token_ids[1] == max(allowed, key=lambda t: logits[1, t].item())
+    # the unconstrained rows: exactly what they get alone
+    assert out.token_ids[0] == Sampler().sample(logits[:1], [SamplingState(SamplingParams(logprobs=2), [])]).token_ids[0]
+    assert out.token_ids[2] == Sampler().sample(logits[2:], [SamplingState(sampled(random_seed=1), [])]).token_ids[0]
+    # logprobs stay those of the raw logits under a constraint
+    con_lp = SamplingState(SamplingParams(logprobs=0), [], FixedConstraint(allowed, vocab))
+    lp = Sampler().sample(logits[1:2], [con_lp]).logprobs[0]
+    (chosen, value), = lp.items()
+    assert chosen in allowed and value == pytest.approx(torch.log_softmax(logits[1], -1)[chosen].item(), abs=1e-6)
+
+
+def test_sampled_constrained_rows_draw_from_the_masked_distribution():
+    vocab = 64
+    logits = torch.linspace(2.0, -2.0, vocab)
+    allowed = {3, 10, 40, 63}
+    n = 3000
+    states = [SamplingState(sampled(random_seed=s), [], FixedConstraint(allowed, vocab)) for s in range(n)]
+    ids = torch.tensor(Sampler().sample(logits[None].expand(n, -1), states).token_ids)
+    assert set(ids.tolist()) <= allowed
+    masked = torch.full((vocab,), float('-inf'))
+    masked[list(allowed)] = logits[list(allowed)]
+    assert torch.allclose(empirical(ids, vocab), masked.softmax(-1), atol=0.03)
+
+
+def test_a_constraint_lets_stop_ids_through_before_min_new_tokens():
+    logits = LOGITS8[None]  # id 0 is the best
+    params = SamplingParams(min_new_tokens=3, stop_token_ids=(0,))
+    state = SamplingState(params, [], FixedConstraint({0, 1}, 8))
+    assert Sampler().sample(logits, [state]).token_ids == [0]  # the grammar, not min_new_tokens, decides
+    assert Sampler().sample(logits, [SamplingState(params, [])]).token_ids == [1]

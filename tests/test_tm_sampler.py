@@ -368,3 +368,65 @@ def test_bad_shapes_raise_value_error():
         ep.Sampler(0).sample(np.zeros(5, np.float32), [s])
     # other dtypes are converted
     assert ep.Sampler(0).sample(np.arange(5, dtype=np.float64)[None], [s])[0] == [4]
+
+
+# --- structured output: a constraint's bitmask --------------------------------------------------
+
+def random_bitmask(batch: int, vocab: int, seed: int) -> np.ndarray:
+    """int32 [batch, ceil(vocab / 32)] with random bits (sign bits included); row 0 keeps token 0."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(-2**31, 2**31, size=(batch, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    words[0, 0] |= 1
+    return words
+
+
+@pytest.mark.parametrize('vocab', [1, 31, 32, 33, 1000])
+def test_apply_token_bitmask_matches_the_torch_version_and_a_loop(vocab):
+    from lmd.pytorch_backend.sampler import apply_token_bitmask_
+
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    bitmask = random_bitmask(3, vocab, vocab)
+    got = ep.apply_token_bitmask(np32(logits), bitmask)
+    loop = np32(logits).copy()
+    for r in range(3):
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                loop[r, t] = -np.inf
+    np.testing.assert_array_equal(got, loop)
+    np.testing.assert_array_equal(got, apply_token_bitmask_(logits.clone(), torch.from_numpy(bitmask)).numpy())
+    with pytest.raises(ValueError, match=r'bitmask must be int32 \[3, '):
+        ep.apply_token_bitmask(np32(logits), bitmask[:2])
+
+
+def test_sampling_under_a_bitmask_is_sampling_the_masked_logits():
+    vocab = 200
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    bitmask = random_bitmask(6, vocab, 1)
+    masked = ep.apply_token_bitmask(np32(logits), bitmask)
+    params = [SamplingParams(), sampled(random_seed=1), sampled(random_seed=2, top_k=20),
+              sampled(random_seed=3, top_p=0.8), sampled(random_seed=4, min_p=0.1, repetition_penalty=1.3),
+              SamplingParams(logprobs=2)]
+    states = [ep.SamplingState(p, [1, 2, 3]) for p in params]
+    ids, lps = ep.Sampler(0).sample(np32(logits), states, bitmask)
+    expect_ids, _ = ep.Sampler(0).sample(masked, [ep.SamplingState(p, [1, 2, 3]) for p in params])
+    assert ids == expect_ids
+    allowed = [(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for r, t in enumerate(ids)]
+    assert all(allowed)
+    # the logprobs are the raw logits' (the model's view, not the grammar's)
+    raw = torch.log_softmax(logits[5], -1)
+    assert lps[5][0] == (ids[5], pytest.approx(raw[ids[5]].item(), abs=1e-5))
+    # and the same as the PyTorch sampler's picks for the greedy rows
+    from lmd.pytorch_backend.sampler import apply_token_bitmask_
+    py = apply_token_bitmask_(logits.clone(), torch.from_numpy(bitmask))
+    assert ids[0] == int(py[0].argmax()) and ids[5] == int(py[5].argmax())
+    with pytest.raises(ValueError, match='bitmask'):
+        ep.Sampler(0).sample(np32(logits), states, bitmask[:, :3])
+
+
+def test_a_constrained_state_lets_stop_ids_through_before_min_new_tokens():
+    logits = np32(LOGITS8[None])  # id 0 is the best
+    state = ep.SamplingState(SamplingParams(min_new_tokens=3, stop_token_ids=(0,)))
+    assert ep.Sampler(0).sample(logits, [state])[0] == [1]
+    state.constrained = True  # a grammar, not min_new_tokens, decides where the text ends
+    assert not state.needs_processing()
+    assert ep.Sampler(0).sample(logits, [state])[0] == [0]
