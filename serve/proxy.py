@@ -393,8 +393,12 @@ class Relay:
         why: dict[str, str] = {}
         while True:
             node = self.table.choose(model, tried, why)
+            # counted before the first await, so requests arriving together see each other's choice
+            node.unfinished += 1
+            node.num_requests += 1
+            attempt = _Attempt()
             try:
-                return await _unless_client_leaves(request, self._attempt(node, path, body, headers))
+                return await _unless_client_leaves(request, self._attempt(node, path, body, headers, attempt))
             except _ClientGone:
                 logger.info('client left before %s answered; request closed on the node', node.url)
                 return Response(status_code=499)
@@ -406,39 +410,39 @@ class Relay:
                 # probe says) or a kept-alive connection may have gone stale; either way, another node.
                 reason = f'dropped the request: {_describe(e)}'
                 self.table.probe_soon(node)
+            finally:
+                if not attempt.streaming:
+                    node.unfinished -= 1
             node.num_failures += 1
             tried.add(node.url)
             why[node.url] = reason
             logger.warning('node %s %s; retrying on another node', node.url, reason)
 
-    async def _attempt(self, node: Node, path: str, body: bytes, headers: dict) -> Response:
+    async def _attempt(self, node: Node, path: str, body: bytes, headers: dict, attempt: _Attempt) -> Response:
         """The node's answer: a whole body, or a stream whose first chunk has arrived (until then a
         failure can still go to another node)."""
-        node.unfinished += 1
-        node.num_requests += 1
         start = time.perf_counter()
-        settled = False
+        upstream = await self.client.send(
+            self.client.build_request('POST', node.url + path, content=body, headers=headers), stream=True)
         try:
-            upstream = await self.client.send(
-                self.client.build_request('POST', node.url + path, content=body, headers=headers), stream=True)
-            try:
-                if upstream.headers.get('content-type', '').startswith('text/event-stream'):
-                    chunks = upstream.aiter_raw()
-                    first = await anext(chunks, b'')
-                    settled = True  # from here the response owns the upstream and the node's bookkeeping
-                    return _RelayedStream(upstream, first, chunks, node, self.table, start,
-                                          _response_headers(upstream))
-                content = await upstream.aread()
-            finally:
-                if not settled:
-                    with anyio.CancelScope(shield=True):
-                        await upstream.aclose()
-            if upstream.status_code == 200:
-                node.latencies.append(time.perf_counter() - start)
-            return Response(content, status_code=upstream.status_code, headers=_response_headers(upstream))
+            if upstream.headers.get('content-type', '').startswith('text/event-stream'):
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b'')
+                attempt.streaming = True  # from here the response owns the upstream and the node's count
+                return _RelayedStream(upstream, first, chunks, node, self.table, start, _response_headers(upstream))
+            content = await upstream.aread()
         finally:
-            if not settled:
-                node.unfinished -= 1
+            if not attempt.streaming:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+        if upstream.status_code == 200:
+            node.latencies.append(time.perf_counter() - start)
+        return Response(content, status_code=upstream.status_code, headers=_response_headers(upstream))
+
+
+@dataclass
+class _Attempt:
+    streaming: bool = False  # a _RelayedStream took over the upstream response
 
 
 class _ClientGone(Exception):

@@ -77,6 +77,14 @@ class Server:
         self.log.close()
 
 
+def stop_all(servers: list[Server]):
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in servers:
+        s.stop()
+
+
 def start_proxy(log_dir, *extra: str, interval: float = 0.5) -> Server:
     port = free_port()
     return Server('proxy', ['-m', 'lmd.serve.proxy', '--server-name', '127.0.0.1', '--server-port', str(port),
@@ -99,14 +107,14 @@ def nodes_status(proxy: Server, key: str | None = None) -> dict:
     return {n['url']: n for n in r.json()['nodes']}
 
 
-def wait_for(predicate, what: str, timeout: float = 20.0):
+def wait_for(predicate, what: str, timeout: float = 20.0, show=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f'timed out after {timeout} s waiting for {what}')
+    raise AssertionError(f'timed out after {timeout} s waiting for {what}' + (f'; now {show()}' if show else ''))
 
 
 def wait_nodes(proxy: Server, healthy: dict[str, bool], key: str | None = None) -> dict:
@@ -199,8 +207,7 @@ def standins(tmp_path_factory):
         wait_nodes(proxy, {a.url: True, b.url: True})
         yield proxy, a, b
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
 
 
 def test_standins_register_route_by_model_and_spread(standins):
@@ -352,8 +359,7 @@ def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path):
         assert e.value.status_code == 503 and e.value.body['code'] == 'no_healthy_node'
         assert victim.url in e.value.body['message'] and survivor.url in e.value.body['message']
     finally:
-        for s in (proxy, a, b):
-            s.stop()
+        stop_all([proxy, a, b])
 
 
 def test_api_keys(tmp_path):
@@ -391,8 +397,7 @@ def test_api_keys(tmp_path):
                 model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
         assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
     finally:
-        for s in (proxy, a):
-            s.stop()
+        stop_all([proxy, a])
 
 
 # ---- behind the proxy: real lmd api_servers ------------------------------------------------
@@ -401,17 +406,26 @@ KEY = 'proxy-test-key'
 PROMPT = [{'role': 'user', 'content': 'Name three colors.'}]
 
 
-def served(node: Server) -> float:
-    """Requests the api_server has finished, from its own /metrics."""
+def metric(node: Server, name: str) -> float:
+    """The api_server's own /metrics figure (summed over labels)."""
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(node.url + '/metrics', timeout=10).text
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == 'lmd:e2e_request_latency_seconds_count')
+               if sample.name == name)
 
 
-@pytest.fixture(scope='module')
-def cluster(tmp_path_factory):
-    """A proxy with an API key, and two api_servers serving SmolLM2 that register with it."""
+def served(node: Server) -> float:
+    """Requests the api_server has finished."""
+    return metric(node, 'lmd:e2e_request_latency_seconds_count')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def launch_cluster(request, tmp_path_factory):
+    """A proxy with an API key, and two api_servers serving SmolLM2 that register with it, started
+    before this file's first test so that they load while the stand-in tests run."""
+    if not any('cluster' in item.fixturenames and item.path == request.path for item in request.session.items):
+        yield None
+        return
     log_dir = tmp_path_factory.mktemp('cluster')
     proxy = start_proxy(log_dir, '--api-keys', KEY, interval=1.0)
     servers = [proxy]
@@ -422,14 +436,18 @@ def cluster(tmp_path_factory):
                                          '--server-port', str(port), '--proxy-url', proxy.url, '--api-keys', KEY,
                                          '--num-threads', '1', '--log-level', 'WARNING'],
                                   port, log_dir))
-        nodes = servers[1:]
-        for node in nodes:
-            node.wait_ready(ok=(200,), timeout=240)
-        wait_nodes(proxy, {n.url: True for n in nodes}, key=KEY)
-        yield proxy, nodes
+        yield proxy, servers[1:]
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
+
+
+@pytest.fixture(scope='module')
+def cluster(launch_cluster):
+    proxy, nodes = launch_cluster
+    for node in nodes:
+        node.wait_ready(ok=(200,), timeout=240)
+    wait_nodes(proxy, {n.url: True for n in nodes}, key=KEY)
+    return proxy, nodes
 
 
 def test_real_nodes_answer_through_the_proxy(cluster):
@@ -469,6 +487,19 @@ def test_real_nodes_answer_through_the_proxy(cluster):
     status = nodes_status(proxy, KEY)
     assert all(status[n.url]['latency'] > 0 and status[n.url]['unfinished'] == 0 for n in nodes)
 
+    # a client hanging up mid-stream: the node aborts the request and frees its KV blocks
+    generated = [metric(n, 'lmd:generation_tokens') for n in nodes]
+    stream = client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=300, stream=True,
+                                            extra_body={'ignore_eos': True})
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    stream.close()
+    wait_for(lambda: sum(metric(n, 'lmd:num_requests_running') for n in nodes) == 0, 'the node to abort')
+    assert all(metric(n, 'lmd:num_kv_blocks_free') == metric(n, 'lmd:num_kv_blocks_total') for n in nodes)
+    assert sum(metric(n, 'lmd:generation_tokens') for n in nodes) - sum(generated) < 300
+    assert all(v['unfinished'] == 0 for v in nodes_status(proxy, KEY).values())
+
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model='gpt-4', messages=PROMPT, max_tokens=4)
     assert e.value.body['code'] == 'model_not_found' and 'smollm2' in e.value.body['message']
@@ -487,10 +518,10 @@ def test_real_node_killed_with_requests_in_flight(cluster):
     import openai
     proxy, nodes = cluster
     client = openai_client(proxy, KEY)
-    expected = client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=40,
-                                              temperature=0).choices[0].message.content
+    whole = dict(model='smollm2', messages=PROMPT, max_tokens=24, temperature=0, extra_body={'ignore_eos': True})
+    expected = client.chat.completions.create(**whole).choices[0].message.content
     # one stream on each node, then four whole-answer requests, two on each node
-    streams = [client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=200, temperature=0,
+    streams = [client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=64, temperature=0,
                                               stream=True, extra_body={'ignore_eos': True}) for _ in range(2)]
     iters = [iter(s) for s in streams]
     for it in iters:
@@ -499,15 +530,14 @@ def test_real_node_killed_with_requests_in_flight(cluster):
 
     def ask():
         try:
-            answers.append(client.chat.completions.create(model='smollm2', messages=PROMPT, max_tokens=40,
-                                                          temperature=0).choices[0].message.content)
+            answers.append(client.chat.completions.create(**whole).choices[0].message.content)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=ask) for _ in range(4)]
     for t in threads:
         t.start()
     wait_for(lambda: [nodes_status(proxy, KEY)[n.url]['unfinished'] for n in nodes] == [3, 3],
-             'three requests on each node', timeout=30)
+             'three requests on each node', timeout=30, show=lambda: nodes_status(proxy, KEY))
     victim, survivor = nodes
     victim.kill()
     # the stream the victim was answering ends with an error; the whole answers it held are retried
