@@ -34,8 +34,10 @@ state) and one ``torch.rand(1)`` per seeded row.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lmd.engine import SamplingParams
@@ -264,7 +266,7 @@ class Sampler:
                 if c.num_words != num_words:
                     raise ValueError(f'a constraint for {c.vocab_size} tokens on logits of {vocab}')
                 c.fill_bitmask(bitmask, j)
-            apply_token_bitmask_(work, bitmask.to(device), constrained)
+            apply_token_bitmask_(work, bitmask, constrained)
         return work
 
     # --- sampling ---------------------------------------------------------------------------
@@ -405,6 +407,11 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     n, width = bitmask.shape
     if width * 32 < vocab:
         raise ValueError(f'a bitmask of {width} words covers {width * 32} tokens, fewer than the {vocab} logits')
+    if bitmask.device.type == 'cpu' and sys.byteorder == 'little':
+        # numpy's unpackbits is ~50x faster than shifts on the CPU; little-endian bytes of a word
+        # unpacked little-bit-first give its bits 0..31 in order
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder='little')
+        return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     # an arithmetic shift of a negative word still leaves bit k in place 0
     return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, width * 32)[:, :vocab].bool()
@@ -413,7 +420,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
     """Set to -inf, in place, every logit whose bit is clear: logits [B, V]; bitmask [n, W] int32
     for ``rows`` of logits (None: n == B, every row). Returns ``logits``."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
     if rows is None:
         if allowed.shape[0] != logits.shape[0]:
             raise ValueError(f'a bitmask of {allowed.shape[0]} rows for logits of {logits.shape[0]}')
