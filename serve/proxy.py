@@ -50,10 +50,14 @@ _HOP_RESPONSE_HEADERS = frozenset({'content-length', 'connection', 'keep-alive',
                                    'content-encoding', 'date', 'server'})
 
 
+_ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
+                503: 'service_unavailable'}  # as the api_server names them
+
+
 class ProxyError(Exception):
     """An answer the proxy gives itself, as OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type: str = 'invalid_request_error', param: str | None = None,
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
@@ -62,10 +66,11 @@ class ProxyError(Exception):
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
-def error_response(status: int, message: str, type: str = 'invalid_request_error', param: str | None = None,
+def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse({'error': {'message': message, 'type': type, 'param': param, 'code': code}},
-                        status_code=status)
+    body = {'error': {'message': message, 'type': type or _ERROR_TYPES.get(status, 'invalid_request_error' if status < 500 else 'server_error'),
+                      'param': param, 'code': code or str(status)}}
+    return JSONResponse(body, status_code=status, headers={'WWW-Authenticate': 'Bearer'} if status == 401 else None)
 
 
 def normalize_url(url) -> str:
@@ -180,7 +185,7 @@ class NodeTable:
     def choose(self, model: str | None, exclude: set[str], why_excluded: dict[str, str]) -> Node:
         if not self.nodes:
             raise ProxyError(503, 'no api_server is registered with the proxy: start one with --proxy-url '
-                             'pointing here, or POST {"url": ...} to /nodes/add', type='service_unavailable',
+                             'pointing here, or POST {"url": ...} to /nodes/add',
                              code='no_node')
         serving = list(self.nodes.values())
         if model is not None:
@@ -190,7 +195,7 @@ class NodeTable:
                 if pending:
                     raise ProxyError(503, f'no api_server known to serve model {model!r}; '
                                      f'{", ".join(pending)} ha{"s" if len(pending) == 1 else "ve"} not reported '
-                                     'its models yet', type='service_unavailable', param='model',
+                                     'its models yet', param='model',
                                      code='model_not_ready')
                 served = sorted({m for n in self.nodes.values() for m in n.models})
                 raise ProxyError(404, f'The model `{model}` does not exist. Served models: '
@@ -205,7 +210,7 @@ class NodeTable:
                     reasons.append(f'{n.url} (unhealthy: {n.last_error or "not checked yet"})')
             what = f'model {model!r}' if model is not None else 'this request'
             raise ProxyError(503, f'no healthy api_server can serve {what}: {"; ".join(reasons)}',
-                             type='service_unavailable', code='no_healthy_node')
+                             code='no_healthy_node')
         return choose_node(candidates, self.strategy, self.rng)
 
     async def add(self, url: str, models: list[str] | None = None, speed: float | None = None,
@@ -217,6 +222,8 @@ class NodeTable:
         if models is not None:
             node.model_cards = [{'id': m, 'object': 'model', 'owned_by': 'lmd'} for m in models]
             node.models_known = True
+        else:  # (re)registering: a restarted node may serve another model now
+            node.models_known = False
         if speed is not None:
             node.speed = speed
         node.auth = auth or node.auth
@@ -262,12 +269,13 @@ class NodeTable:
         except httpx.TransportError as e:
             ok, reason = False, f'GET /health failed: {_describe(e)}'
         node.last_checked = time.time()
-        if ok and (not node.models_known or not was_healthy):
-            await self._fetch_models(node, timeout)
         if ok:
             if not was_healthy:
-                logger.info('node %s is healthy, serving %s', node.url, ', '.join(node.models) or 'unknown models')
                 node.last_error = None
+            if not node.models_known or not was_healthy:
+                await self._fetch_models(node, timeout)
+            if not was_healthy:
+                logger.info('node %s is healthy, serving %s', node.url, ', '.join(node.models) or 'unknown models')
             node.healthy = True
         else:
             if was_healthy:
@@ -313,7 +321,11 @@ class NodeTable:
 
     async def health_loop(self, interval: float) -> None:
         while True:
-            await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
+            nodes = list(self.nodes.values())
+            results = await asyncio.gather(*(self.probe(n) for n in nodes), return_exceptions=True)
+            for node, result in zip(nodes, results):
+                if isinstance(result, Exception):
+                    logger.error('health probe of %s failed: %r', node.url, result)
             await asyncio.sleep(interval)
 
     def close(self) -> None:

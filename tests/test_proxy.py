@@ -294,7 +294,7 @@ def test_errors_unknown_model_bad_json_add_and_remove(standins):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model='nope', messages=[{'role': 'user', 'content': 'hi'}])
     assert e.value.body['code'] == 'model_not_found' and 'nope' in e.value.body['message']
-    assert e.value.body['param'] == 'model' and e.value.body['type'] == 'invalid_request_error'
+    assert e.value.body['param'] == 'model' and e.value.body['type'] == 'not_found_error'
     r = httpx.post(proxy.url + '/v1/chat/completions', content=b'{"model": ', timeout=10)
     assert r.status_code == 400 and 'not valid JSON' in r.json()['error']['message']
     r = httpx.post(proxy.url + '/v1/completions', json={'model': 7, 'prompt': 'x'}, timeout=10)
