@@ -237,35 +237,45 @@ def build_demo(chat: ChatClient, max_concurrent: int = DEFAULT_MAX_CONCURRENT):
         if conv is not None:
             chat.end_conversation(conv)
 
+    # while an answer streams, the message box and Send are locked: a second message would race the
+    # first for the conversation (and the chat it redraws). The answer's last update unlocks them,
+    # after an error too; Stop and Clear unlock them when they cut it short.
+    keep, unlocked = gr.update(), gr.update(interactive=True)
+
     async def take_message(message, history):
         if not message or not message.strip():
-            return gr.update(), history, None
-        return '', history + [{'role': 'user', 'content': message}], message
+            return keep, history, None, keep
+        return (gr.update(value='', interactive=False), history + [{'role': 'user', 'content': message}], message,
+                gr.update(interactive=False))
 
     async def answer(message, history, conv, system, temperature, top_p, max_new_tokens):
         if message is None:
             return
-        try:
-            settings = ChatSettings(float(temperature), float(top_p), int(max_new_tokens))
-        except ValueError as e:
-            raise gr.Error(str(e))
-        if conv is None:
-            conv = chat.new_conversation()
-        history = history + [{'role': 'assistant', 'content': ''}]
-        yield history, conv
         text = ''
         try:
+            settings = ChatSettings(float(temperature), float(top_p), int(max_new_tokens))
+            if conv is None:
+                conv = chat.new_conversation()
+            history = history + [{'role': 'assistant', 'content': ''}]
+            yield history, conv, keep, keep
             async with aclosing(chat.stream(conv, message, (system or '').strip() or None, settings)) as pieces:
                 async for piece in pieces:
                     text += piece
                     history[-1] = {'role': 'assistant', 'content': text}
-                    yield history, conv
+                    yield history, conv, keep, keep
         except (ValueError, ConnectionError, RuntimeError) as e:  # too long for session_len, server down, ...
+            if history and history[-1] == {'role': 'assistant', 'content': ''}:
+                history = history[:-1]  # no empty answer bubble under the error
+            yield history, conv, unlocked, unlocked
             raise gr.Error(str(e))
+        yield history, conv, unlocked, unlocked
+
+    async def unlock():
+        return unlocked, unlocked
 
     async def clear(conv):
         forget(conv)
-        return [], None, None
+        return [], None, None, unlocked, unlocked
 
     with gr.Blocks(title='lmd chat', analytics_enabled=False) as demo:
         gr.Markdown(f'### lmd chat · {chat.description}')
@@ -291,11 +301,11 @@ def build_demo(chat: ChatClient, max_concurrent: int = DEFAULT_MAX_CONCURRENT):
         answering = []
         for trigger in (box.submit, send.click):
             answering.append(
-                trigger(take_message, [box, chatbot], [box, chatbot, pending], queue=False)
-                .then(answer, [pending, chatbot, conv, system, temperature, top_p, max_new_tokens], [chatbot, conv],
-                      concurrency_limit=max_concurrent, show_progress='hidden'))
-        stop.click(None, None, None, cancels=answering, queue=False)
-        reset.click(clear, [conv], [chatbot, conv, pending], cancels=answering, queue=False)
+                trigger(take_message, [box, chatbot], [box, chatbot, pending, send], queue=False)
+                .then(answer, [pending, chatbot, conv, system, temperature, top_p, max_new_tokens],
+                      [chatbot, conv, box, send], concurrency_limit=max_concurrent, show_progress='hidden'))
+        stop.click(unlock, None, [box, send], cancels=answering, queue=False)
+        reset.click(clear, [conv], [chatbot, conv, pending, box, send], cancels=answering, queue=False)
     demo.queue(default_concurrency_limit=max_concurrent)
     return demo
 
@@ -326,7 +336,26 @@ def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', se
         chat.close()
 
 
-if __name__ == '__main__':
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lmd.serve.gradio_app [MODEL_OR_URL] [--server-name] [--server-port] [--backend] [--api-key]
+    [--share] [--max-concurrent]``; ``lmd serve gradio`` adds the engine flags."""
     import sys
-    run_gradio(sys.argv[1] if len(sys.argv) > 1 else None, server_name='127.0.0.1',
-               server_port=int(sys.argv[2]) if len(sys.argv) > 2 else 6006)
+
+    import fire
+
+    from lmd.errors import LmdError
+    os.environ.setdefault('PAGER', 'cat')
+    try:
+        fire.Fire(run_gradio, command=argv, name='lmd serve gradio')
+    except fire.core.FireExit as e:
+        return e.code
+    except (LmdError, ValueError, FileNotFoundError) as e:
+        print(f'lmd: error: {e}', file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

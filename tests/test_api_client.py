@@ -40,7 +40,7 @@ def api_server():
     port = free_port()
     base = f'http://127.0.0.1:{port}'
     proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.api_server', 'smollm2', '--server-name', '127.0.0.1',
-                             '--server-port', str(port), '--api-keys', KEY],
+                             '--server-port', str(port), '--api-keys', KEY, '--num-threads', '1'],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def healthy():
@@ -115,8 +115,11 @@ def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(api_server):
     proc = subprocess.Popen(client_cmd(api_server, '--api-key', KEY, '--temperature', '0', '--max-tokens', '2000'),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = bytearray()
-    reader = threading.Thread(target=lambda: [out.extend(chunk) for chunk in iter(lambda: proc.stdout.read1(4096), b'')],
-                              daemon=True)
+
+    def read():
+        while chunk := proc.stdout.read1(4096):
+            out.extend(chunk)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         proc.stdin.write(b'Write a very long story about a dragon who learns to fly.\n')

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from lmd.messages import GenerationConfig
+from lmd.messages import GenerationConfig, PytorchEngineConfig
 
 CHROMIUM = '/usr/bin/chromium'
 
@@ -68,8 +68,12 @@ class ChatPage:
         self.page.wait_for_selector('#lmd-message textarea', timeout=60_000)
         self.page.locator('#lmd-settings').get_by_text('Settings').first.click()
         self.page.wait_for_selector('#lmd-temperature input[type=number]', timeout=10_000)
+        self.page.evaluate(WATCH_ANSWERS)
 
-    def settings(self, temperature: float | None = None, max_new_tokens: int | None = None):
+    def settings(self, temperature: float | None = None, max_new_tokens: int | None = None,
+                 system: str | None = None):
+        if system is not None:
+            self.page.fill('#lmd-system textarea', system)
         for elem, value in (('#lmd-temperature', temperature), ('#lmd-max-new-tokens', max_new_tokens)):
             if value is not None:
                 box = self.page.locator(f'{elem} input[type=number]')
@@ -79,6 +83,7 @@ class ChatPage:
 
     def send(self, text: str):
         self.page.fill('#lmd-message textarea', text)
+        self.page.evaluate('window.lmdSeen = []')
         self.page.press('#lmd-message textarea', 'Enter')
 
     def texts(self, who: str) -> list[str]:
@@ -89,17 +94,26 @@ class ChatPage:
         return bots[-1] if bots else ''
 
     def wait_answer(self, expected: str, timeout: float = 120) -> list[str]:
-        """Poll the last answer until it reads ``expected``; returns every distinct text seen on the way."""
-        seen = ['']
+        """Wait until the last answer reads ``expected``; returns every text it showed since ``send``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = self.last_answer()
-            if text != seen[-1]:
-                seen.append(text)
-            if plain(text) == plain(expected):
-                return seen
-            time.sleep(0.02)
-        raise AssertionError(f'the answer in the page reads {plain(seen[-1])!r}, expected {plain(expected)!r}')
+            if plain(self.last_answer()) == plain(expected):
+                return self.page.evaluate('window.lmdSeen')
+            time.sleep(0.1)
+        raise AssertionError(f'the answer in the page reads {plain(self.last_answer())!r}, '
+                             f'expected {plain(expected)!r}')
+
+
+# records each text the last answer shows, from inside the page (no polling that misses a step)
+WATCH_ANSWERS = """() => {
+    window.lmdSeen = [];
+    new MutationObserver(() => {
+        const bots = document.querySelectorAll('#lmd-chatbot [data-testid="bot"]');
+        const text = bots.length ? bots[bots.length - 1].innerText : '';
+        const seen = window.lmdSeen;
+        if (text && (!seen.length || seen[seen.length - 1] !== text)) seen.push(text);
+    }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
 
 
 @pytest.fixture(scope='module')
@@ -117,7 +131,9 @@ def browser():
 @pytest.fixture(scope='module')
 def local_app(smollm2_dir):
     from lmd.serve.gradio_app import build_demo, open_chat_client
-    chat = open_chat_client(smollm2_dir)
+    # one engine thread: the machine's cores are shared with other jobs, and a thread team waiting on
+    # a descheduled member is what makes a loaded machine slow
+    chat = open_chat_client(smollm2_dir, backend_config=PytorchEngineConfig(num_threads=1))
     demo = build_demo(chat, max_concurrent=8)
     port = free_port()
     demo.launch(server_name='127.0.0.1', server_port=port, prevent_thread_lock=True, quiet=True)
@@ -141,8 +157,7 @@ def test_streamed_answer_equals_the_engine_and_keeps_its_cache(browser, local_ap
     q1 = 'Tell me about Paris.'
     a1 = greedy_answer(engine, [{'role': 'user', 'content': q1}], 32)
     page.send(q1)
-    seen = page.wait_answer(a1)
-    grew = [plain(s) for s in seen if s]
+    grew = [plain(s) for s in page.wait_answer(a1)]
     assert len(grew) >= 3, f'the answer appeared in {len(grew)} steps, not streamed: {grew}'
     assert all(len(a) < len(b) for a, b in zip(grew, grew[1:])), f'the streamed text did not only grow: {grew}'
     assert page.texts('user') == [q1]
@@ -204,15 +219,18 @@ def test_stop_aborts_the_generation_and_the_chat_goes_on(browser, local_app):
 def test_clear_empties_the_chat_and_ends_the_session(browser, local_app):
     chat, url = local_app
     page = ChatPage(browser.new_context(), url)
-    page.settings(temperature=0, max_new_tokens=8)
+    system = 'Answer in one word.'
+    page.settings(temperature=0, max_new_tokens=8, system=system)
     q = 'Say hello.'
     page.send(q)
-    page.wait_answer(greedy_answer(chat.engine, [{'role': 'user', 'content': q}], 8))
+    page.wait_answer(greedy_answer(chat.engine, [{'role': 'system', 'content': system},
+                                                 {'role': 'user', 'content': q}], 8))
     session = session_of(chat, q)
     assert session.started
     page.page.click('#lmd-clear')
     wait_until(lambda: not page.texts('user') and not page.texts('bot'), 10, 'Clear to empty the chat')
     assert not session.started and all(s is not session for s in chat.sessions.values())
+    page.settings(system='')
     page.send('Hi.')
     page.wait_answer(greedy_answer(chat.engine, [{'role': 'user', 'content': 'Hi.'}], 8))
     assert page.texts('user') == ['Hi.']
@@ -261,7 +279,8 @@ def api_server():
     port = free_port()
     base = f'http://127.0.0.1:{port}'
     proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.api_server', 'smollm2', '--server-name', '127.0.0.1',
-                             '--server-port', str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             '--server-port', str(port), '--num-threads', '1'],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def healthy():
         if proc.poll() is not None:
@@ -332,3 +351,29 @@ def test_bad_arguments_are_named():
         build_demo('smollm2')
     with pytest.raises(ValueError, match='server_port'):
         run_gradio('http://127.0.0.1:1', server_port=70000)
+
+
+def test_run_gradio_as_a_command_shows_a_down_server_as_an_error(browser):
+    down, port = free_port(), free_port()  # nothing listens on `down`
+    proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.gradio_app', f'http://127.0.0.1:{down}',
+                             '--server-name', '127.0.0.1', '--server-port', str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up():
+            assert proc.poll() is None, f'the gradio app exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}'
+            try:
+                return urllib.request.urlopen(f'http://127.0.0.1:{port}/', timeout=2).status == 200
+            except OSError:
+                return False
+        wait_until(up, 120, 'the gradio app to serve its page', interval=0.5)
+        page = ChatPage(browser.new_context(), f'http://127.0.0.1:{port}/')
+        assert f'lmd chat · http://127.0.0.1:{down}' in page.page.inner_text('body')
+        page.send('Hello?')
+        error = page.page.get_by_text(f'cannot reach the api_server at http://127.0.0.1:{down}')
+        error.first.wait_for(timeout=30_000)
+        assert page.texts('user') == ['Hello?'] and page.texts('bot') == []
+        page.page.fill('#lmd-message textarea', 'the box is unlocked after the error')
+        page.page.context.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
