@@ -6,8 +6,9 @@ An async load generator for OpenAI-compatible servers. Every request streams
 (``stream: true`` with ``stream_options.include_usage``) from ``/v1/completions``
 (default: the raw prompt, no chat template) or ``/v1/chat/completions``
 (``--endpoint chat``), greedy, with its output length fixed by ``max_tokens`` and
-``ignore_eos``. Arrivals: ``--request-rate R`` (Poisson, seeded; ``inf`` sends all at
-once) and/or ``--concurrency C`` (at most C requests in flight: C closed-loop clients).
+``ignore_eos``. Arrivals: ``--concurrency C`` (at most C requests in flight: C
+closed-loop clients; default 16) and/or ``--request-rate R`` (Poisson, seeded; ``inf``,
+the default, does not pace).
 
 Prompts are windows of real prose (``pydoc_data.topics``, see prompts.py) with
 lengths drawn from ``--input-len`` / ``--output-len``; a window is kept only when its
@@ -16,7 +17,7 @@ length (``usage.prompt_tokens`` is checked, and so is ``usage.completion_tokens`
 against ``max_tokens``; mismatches are reported, never hidden).
 
 Per request: TTFT (send -> first chunk with text), ITL (gaps between chunks with
-text), TPOT ((end - first) / (completion_tokens - 1)), end-to-end latency. Per
+text), TPOT ((last - first chunk) / (completion_tokens - 1)), end-to-end latency. Per
 server: request throughput, output and total tokens/s over the run's wall time,
 mean / P50 / P99 of each latency, the server's CPU seconds per wall second and
 peak RSS (its whole process tree).
@@ -29,7 +30,8 @@ GGUF's 4-bit matmuls as W4A16), ``llama-server``
 (``--vllm-dtype``, the venv of setup_vllm_cpu.sh), or ``NAME=URL`` for a server
 already running. Each gets the same ``--max-batch-size`` (lmd's max_batch_size,
 llama-server's slots, vLLM's max-num-seqs) and no prefix caching. A block per
-server, then a markdown table with lmd / peer ratios, goes to stdout;
+server, then a markdown table with lmd / peer ratios (above 1 is better for lmd on
+throughput rows, below 1 on latency rows), goes to stdout;
 ``--json OUT`` writes everything. Exits 2 when a server failed or a check did not hold.
 """
 from __future__ import annotations
@@ -59,7 +61,7 @@ VLLM_VENV = os.environ.get('LMD_VLLM_VENV', os.path.expanduser('~/.cache/lmd/vll
 SERVER_KINDS = ('lmd', 'lmd-turbomind', 'lmd-pytorch', 'llama-server', 'llama-server-f16', 'vllm')
 # rough rates on a quiet 2-core Zen 3 (README figures) for --dry-run's duration estimate:
 # (startup s, prefill tok/s, decode tok/s at 16 concurrent)
-EXPECTED = {'lmd': (15, 450, 200), 'llama-server': (5, 500, 180), 'vllm': (120, 300, 100)}
+EXPECTED = {'lmd': (15, 450, 200), 'llama-server': (5, 500, 180), 'vllm': (240, 300, 100)}
 METRICS = ('ttft', 'tpot', 'itl', 'e2e')
 
 
@@ -169,12 +171,13 @@ async def send(client, url: str, body: dict, endpoint: str, res: Result) -> None
                     res.prompt_tokens = chunk['usage'].get('prompt_tokens')
                     res.completion_tokens = chunk['usage'].get('completion_tokens')
                 for choice in chunk.get('choices') or []:
-                    piece = choice.get('text') if endpoint == 'completions' else (choice.get('delta') or {}).get('content')
+                    delta = choice.get('delta') or {}
+                    piece = choice.get('text') if endpoint == 'completions' else delta.get('content')
                     if piece:
                         res.chunk_times.append(now)
                         res.text += piece
                     res.finish_reason = choice.get('finish_reason') or res.finish_reason
-    except Exception as e:  # a dropped connection or bad JSON is a failed request, not a crashed run
+    except Exception as e:  # noqa: BLE001  (a dropped connection or bad JSON fails the request, not the run)
         res.error = f'{type(e).__name__}: {e}'
     finally:
         res.end = time.perf_counter()
@@ -248,7 +251,7 @@ def token_check(requests: list[Request], ok: list[Result], endpoint: str) -> dic
         check['prompt_mismatches'] = sum(d != 0 for d in prompt)
     if prompt:
         check['prompt_tokens_minus_stated'] = {'min': min(prompt), 'max': max(prompt)}
-    check['ok'] = not out_bad and not check.get('no_usage_chunk_count_mismatches') and not check.get('prompt_mismatches')
+    check['ok'] = not (out_bad or check.get('no_usage_chunk_count_mismatches') or check.get('prompt_mismatches'))
     return check
 
 
@@ -310,7 +313,8 @@ def server_specs(args, model_dir: str) -> list[Server]:
             cores = sorted(os.sched_getaffinity(0))[:args.num_threads]
             env = {'VLLM_CPU_KVCACHE_SPACE': str(args.vllm_kv_gib),
                    'VLLM_CPU_OMP_THREADS_BIND': ','.join(map(str, cores))}
-            servers.append(Server(name, 'vllm', cmd, base, f'{os.path.basename(model_dir)} as {args.vllm_dtype}', env))
+            weights = f'HF dir {os.path.basename(model_dir)}, dtype {args.vllm_dtype}'
+            servers.append(Server(name, 'vllm', cmd, base, weights, env))
     return servers
 
 
@@ -331,9 +335,10 @@ def check_runnable(s: Server) -> str | None:
         return f'llama-server not found at {s.cmd[0]}: run bash benchmark/setup_llamacpp.sh (or pass --llama-server)'
     if s.kind == 'vllm':
         if not os.access(s.cmd[0], os.X_OK):
-            return f'no vLLM virtualenv at {os.path.dirname(os.path.dirname(s.cmd[0]))}: run bash benchmark/setup_vllm_cpu.sh'
+            venv = os.path.dirname(os.path.dirname(s.cmd[0]))
+            return f'no vLLM virtualenv at {venv}: run bash benchmark/setup_vllm_cpu.sh'
         probe = subprocess.run([s.cmd[0], '-c', 'import vllm; print(vllm.__version__)'], capture_output=True,
-                               text=True, timeout=300, env={**os.environ, **(s.env or {})})
+                               text=True, timeout=300, check=False, env={**os.environ, **(s.env or {})})
         if probe.returncode != 0:
             return f'vLLM does not import in {s.cmd[0]}: {probe.stderr.strip()[-600:]}'
     return None
@@ -457,10 +462,11 @@ def bench_server(s: Server, requests: list[Request], warmup: list[Request], args
             if bad:
                 raise RuntimeError(f'warmup failed: {bad[0]}')
         cpu0 = tree_cpu_seconds(s.proc.pid) if s.proc else None
-        load0 = os.getloadavg()[0]
+        load0, client0 = os.getloadavg()[0], time.process_time()
         log(f'{s.name}: {len(requests)} requests')
         results, duration = asyncio.run(run_load(s.base_url, model, requests, args))
         out.update(summarize(requests, results, duration, args.endpoint))
+        out['client_cpu_utilization'] = round((time.process_time() - client0) / duration, 3)
         if s.proc:
             out['server_cpu_utilization'] = round((tree_cpu_seconds(s.proc.pid) - cpu0) / duration, 2)
             out['server_peak_rss_mib'] = tree_peak_rss_mib(s.proc.pid)
@@ -468,7 +474,7 @@ def bench_server(s: Server, requests: list[Request], warmup: list[Request], args
         out['sample_text'] = {r.index: r.text[:160] for r in results[:3] if r.ok}
         if out['failed']:
             out['error'] = f'{out["failed"]} of {len(results)} requests failed: {out["errors"][0]}'
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (one server's failure is its block's error; the others still run)
         out['error'] = f'{type(e).__name__}: {e}'
     finally:
         stop(s)
@@ -500,6 +506,8 @@ def block(r: dict) -> str:
     if 'server_cpu_utilization' in r:
         lines.append(f'{"server CPU s / wall s, peak RSS":<34}{r["server_cpu_utilization"]}, '
                      f'{r["server_peak_rss_mib"]} MiB')
+    lines.append(f'{"client CPU s / wall s, load avg":<34}{r.get("client_cpu_utilization")}, '
+                 f'{r.get("load_average")}')
     if r.get('error'):
         lines.append(f'ERROR: {r["error"]}')
     return '\n'.join(lines)
@@ -523,9 +531,9 @@ def markdown_table(results: list[dict]) -> str:
     lmds = [r for r in done if r['kind'] == 'lmd']
     peers = [r for r in done if r['kind'] != 'lmd']
     pairs = [(a, b) for a in lmds for b in peers]
-    head = ['figure', *[f'{r["server"]} ({r["weights"]})' for r in done], *[f'{a["server"]} / {b["server"]}'
-                                                                          for a, b in pairs]]
-    lines = ['| ' + ' | '.join(head) + ' |', '| --- |' + ' ---: |' * (len(head) - 1)]
+    head = ['figure', *[r['server'] for r in done], *[f'{a["server"]} / {b["server"]}' for a, b in pairs]]
+    lines = ['| ' + ' | '.join(head) + ' |', '| --- |' + ' ---: |' * (len(head) - 1),
+             '| weights | ' + ' | '.join(r['weights'] for r in done) + ' |' + ' |' * len(pairs)]
     for label, get, _ in TABLE_ROWS:
         vals = [get(r) for r in done]
         cells = [fmt(v) for v in vals] + [fmt_ratio(ratio(get(a), get(b))) for a, b in pairs]
