@@ -179,6 +179,88 @@ class Serve:
               tp=tp, dtype=dtype, num_threads=num_threads, device=device, log_level=log_level)
 
 
+    def proxy(self, server_name: str = '0.0.0.0', server_port: int = 8000,
+              routing_strategy: str = 'min_expected_latency', api_keys=None, health_check_interval: float = 5.0,
+              health_check_timeout: float = 5.0, nodes=None, log_level: str = 'INFO'):
+        """Route OpenAI requests across api_servers: they join with --proxy-url or POST /nodes/add
+        ({"url": ...}); /nodes/status lists them, /nodes/remove drops one. A node whose /health fails
+        gets no requests until it answers again.
+
+        Args:
+            server_name: the address to listen on.
+            server_port: the port to listen on.
+            routing_strategy: random (weighted by node speed), min_expected_latency (least unfinished
+                requests x mean latency) or min_observed_latency (least mean latency).
+            api_keys: keys clients must send as "Authorization: Bearer KEY", separated by commas; the header
+                goes on to the nodes unchanged.
+            health_check_interval: seconds between health probes of the nodes.
+            health_check_timeout: seconds a node's /health may take before it counts as down.
+            nodes: api_server URLs to register at start, separated by commas.
+            log_level: DEBUG, INFO, WARNING or ERROR.
+        """
+        from lmd.serve.proxy import proxy
+        proxy(server_name=server_name, server_port=server_port, routing_strategy=routing_strategy,
+              api_keys=api_keys, health_check_interval=health_check_interval,
+              health_check_timeout=health_check_timeout, nodes=nodes, log_level=log_level)
+
+    def gradio(self, model_or_url: str | None = None, server_name: str = '0.0.0.0', server_port: int = 6006,
+               backend: str | None = None, api_key: str | None = None, chat_template: str | None = None,
+               session_len: int | None = None, cache_max_entry_count: float | None = None,
+               enable_prefix_caching: bool = False, quant_policy: int = 0, dtype: str = 'auto',
+               num_threads: int | None = None, max_concurrent: int = 64, share: bool = False):
+        """A web chat (Gradio) on a model run here, or on an api_server: streamed answers, Stop, Clear,
+        a system prompt, temperature / top-p / max-new-tokens; each browser session is its own conversation.
+
+        Args:
+            model_or_url: a model path or 'smollm2' (the default) to run here, or an api_server URL http://HOST:PORT.
+            server_name: the address the page listens on.
+            server_port: the port the page listens on.
+            backend: 'turbomind' or 'pytorch', for a local model.
+            api_key: the api_server's key, for a URL.
+            chat_template: a built-in template name instead of the model's, for a local model.
+            session_len: the longest conversation in tokens, for a local model.
+            cache_max_entry_count: the fraction of free memory the KV cache may take, for a local model.
+            enable_prefix_caching: reuse KV blocks of shared prompt prefixes, for a local model.
+            quant_policy: KV cache quantization (0, 8, 4), for a local model.
+            dtype: auto, float32, bfloat16 or float16, for a local model.
+            num_threads: CPU threads for a local engine (default: all cores).
+            max_concurrent: answers generated at once, across all users.
+            share: ask Gradio for a public link (needs the internet).
+        """
+        from lmd.serve.gradio_app import run_gradio
+        from .messages import ChatTemplateConfig
+        local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://')))
+        config = None
+        if local:
+            fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
+                          enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy, dtype=dtype,
+                          num_threads=num_threads)
+            if backend is not None:
+                config = _engine_config(backend, **fields)
+            elif any(v not in (None, False, 0, 'auto') for v in fields.values()):
+                raise ValueError('engine flags need --backend turbomind or --backend pytorch')
+        template = ChatTemplateConfig(model_name=chat_template) if chat_template and local else None
+        run_gradio(model_or_url, server_name=server_name, server_port=server_port, backend=backend,
+                   backend_config=config, chat_template_config=template, api_key=api_key, share=share,
+                   max_concurrent=max_concurrent)
+
+    def api_client(self, api_server_url: str, api_key: str | None = None, model: str | None = None,
+                   system: str | None = None, temperature: float = 0.7, top_p: float = 1.0, max_tokens: int = 512):
+        """Chat in the terminal with any OpenAI-compatible server; /reset starts over, /exit (or Ctrl-D) leaves.
+
+        Args:
+            api_server_url: the server, http://HOST:PORT (a trailing /v1 is fine).
+            api_key: the key the server wants ("Authorization: Bearer KEY").
+            model: the model name to ask for (default: the first the server lists).
+            system: a system prompt for the conversation.
+            temperature: sampling temperature; 0 is greedy.
+            top_p: nucleus sampling mass.
+            max_tokens: the most tokens one answer may have.
+        """
+        from lmd.serve.api_client import run_api_client
+        run_api_client(api_server_url, api_key=api_key, model=model, system=system, temperature=temperature,
+                       top_p=top_p, max_tokens=max_tokens)
+
 class CLI:
     """lmd: LLM inference and serving. Subcommands: chat, convert, lite, serve. Add --help to any of them."""
 

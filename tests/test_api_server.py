@@ -144,7 +144,7 @@ def test_chat_logprobs_schema(client):
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy: the chosen token is the best
         assert bytes(t.top_logprobs[0].bytes) == bytes(t.bytes)
     # the raw JSON has exactly OpenAI's keys
-    raw = httpx.post(f'{client.base_url}chat/completions', headers={'Authorization': f'Bearer {KEY}'},
+    raw = httpx.post(f'{client.base_url}chat/completions', headers={'Authorization': f'Bearer {KEY}'}, timeout=120,
                      json={'messages': QUESTION, 'temperature': 0, 'max_tokens': 2, 'logprobs': True,
                            'top_logprobs': 1}).json()
     entry = raw['choices'][0]['logprobs']['content'][0]
@@ -185,16 +185,16 @@ def test_completions(client, pipe):
 
 def test_generate_endpoint_and_interactive_session(server, pipe):
     h = {'Authorization': f'Bearer {KEY}'}
-    one = httpx.post(server.url + '/generate', headers=h, json={'prompt': 'Once upon a time', 'max_tokens': 8,
-                                                               'temperature': 0}).json()
+    one = httpx.post(server.url + '/generate', headers=h, timeout=120, json={
+        'prompt': 'Once upon a time', 'max_tokens': 8, 'temperature': 0}).json()
     assert one['tokens'] == 8 and one['finish_reason'] == 'length'
     assert one['text'] == pipe('Once upon a time', GenerationConfig(max_new_tokens=8), do_preprocess=False).text
     # an interactive session keeps its KV cache: the second turn sends only its new text
     sid = 4242
-    t1 = httpx.post(server.url + '/generate', headers=h, json={
+    t1 = httpx.post(server.url + '/generate', headers=h, timeout=120, json={
         'prompt': 'My name is Ada. ', 'session_id': sid, 'interactive_mode': True, 'max_tokens': 6,
         'temperature': 0}).json()
-    lines = httpx.post(server.url + '/generate', headers=h, json={
+    lines = httpx.post(server.url + '/generate', headers=h, timeout=120, json={
         'prompt': ' And yours?', 'session_id': sid, 'interactive_mode': True, 'max_tokens': 6, 'temperature': 0,
         'stream': True}).text.strip().split('\n')
     pieces = [json.loads(x) for x in lines]
@@ -204,18 +204,18 @@ def test_generate_endpoint_and_interactive_session(server, pipe):
     text2 = ''.join(p['text'] for p in pieces)
     # the same turns as one prompt (ids of turn 1 + what it generated + turn 2) give the same answer
     assert t1['tokens'] == 6 and isinstance(text2, str) and text2
-    cancel = httpx.post(server.url + '/generate', headers=h, json={'session_id': sid, 'cancel': True}).json()
+    cancel = httpx.post(server.url + '/generate', headers=h, timeout=120, json={'session_id': sid, 'cancel': True}).json()
     assert cancel['finish_reason'] == 'abort'
-    again = httpx.post(server.url + '/generate', headers=h, json={
+    again = httpx.post(server.url + '/generate', headers=h, timeout=120, json={
         'prompt': ' And yours?', 'session_id': sid, 'max_tokens': 2, 'temperature': 0}).json()
     assert again['history_tokens'] == 0  # the session was ended: a fresh start
 
 
 def test_encode_decode(server):
     h = {'Authorization': f'Bearer {KEY}'}
-    enc = httpx.post(server.url + '/v1/encode', headers=h, json={'input': ['Hello world', 'Paris']}).json()
+    enc = httpx.post(server.url + '/v1/encode', headers=h, timeout=60, json={'input': ['Hello world', 'Paris']}).json()
     assert enc['length'] == [len(x) for x in enc['input_ids']]
-    dec = httpx.post(server.url + '/v1/decode', headers=h, json={'input_ids': enc['input_ids']}).json()
+    dec = httpx.post(server.url + '/v1/decode', headers=h, timeout=60, json={'input_ids': enc['input_ids']}).json()
     assert dec['text'] == ['Hello world', 'Paris']
     bad = httpx.post(server.url + '/v1/decode', headers=h, json={'input_ids': [10**9]})
     assert bad.status_code == 400 and bad.json()['error']['param'] == 'input_ids'
