@@ -87,7 +87,7 @@ def normalize_response_format(response_format: Any) -> tuple[str, Any] | None:
     if not isinstance(spec, dict):
         _fail('response_format.json_schema', 'expected an object like {"name": ..., "schema": {...}}, '
               f'got {spec!r}')
-    if 'name' in spec and not isinstance(spec['name'], str):
+    if spec.get('name') is not None and not isinstance(spec['name'], str):
         _fail('response_format.json_schema.name', f'expected a string, got {spec["name"]!r}')
     if spec.get('strict') is not None and not isinstance(spec['strict'], bool):
         _fail('response_format.json_schema.strict', f'expected true or false, got {spec["strict"]!r}')

@@ -339,8 +339,12 @@ void apply_token_bitmask(float * x, int64_t vocab, const int32_t * bitmask) {
     const int64_t words = (vocab + 31) / 32;
     for (int64_t w = 0; w < words; ++w) {
         const uint32_t bits = (uint32_t) bitmask[w];
-        if (bits == 0xFFFFFFFFu) continue;  // a grammar allows few tokens or most: skip whole words
+        if (bits == 0xFFFFFFFFu) continue;  // a grammar allows few tokens or most: whole words at once
         const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        if (bits == 0) {
+            std::fill(x + base, x + base + n, kNegInf);
+            continue;
+        }
         for (int64_t j = 0; j < n; ++j) {
             if (!((bits >> j) & 1u)) x[base + j] = kNegInf;
         }
