@@ -59,9 +59,10 @@ LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/l
 LLAMA_SERVER = os.path.join(LLAMACPP_DIR, 'build', 'bin', 'llama-server')
 VLLM_VENV = os.environ.get('LMD_VLLM_VENV', os.path.expanduser('~/.cache/lmd/vllm-venv'))
 SERVER_KINDS = ('lmd', 'lmd-turbomind', 'lmd-pytorch', 'llama-server', 'llama-server-f16', 'vllm')
-# rough rates on a quiet 2-core Zen 3 (README figures) for --dry-run's duration estimate:
-# (startup s, prefill tok/s, decode tok/s at 16 concurrent)
-EXPECTED = {'lmd': (15, 450, 200), 'llama-server': (5, 500, 180), 'vllm': (240, 300, 100)}
+# for --dry-run's duration estimate: (startup s, prefill tok/s, output tok/s at 16-32 concurrent), rough
+# rates on a quiet 2-core Zen 3 from this directory's README (vLLM: a guess; its first start compiles)
+EXPECTED = {'lmd:hf': (15, 500, 210), 'lmd:gguf': (15, 290, 130), 'lmd-pytorch': (15, 400, 150),
+            'llama-server': (5, 260, 120), 'llama-server-f16': (5, 540, 190), 'vllm': (240, 300, 100)}
 METRICS = ('ttft', 'tpot', 'itl', 'e2e')
 
 
@@ -553,9 +554,15 @@ def fmt_ratio(v) -> str:
     return '' if v is None else f'{v:.2f}'
 
 
-def expected_seconds(kind: str, wl: dict, warmup: int) -> float:
-    startup, prefill, decode = EXPECTED['lmd' if kind.startswith('lmd') else kind if kind in EXPECTED else 'lmd']
-    return startup + (wl['input_tokens']['total'] / prefill + wl['output_tokens']['total'] / decode) * 1.1 + 2 * warmup
+def expected_seconds(name: str, wl: dict, warmup: int) -> float:
+    if name.startswith('lmd-pytorch'):
+        key = 'lmd-pytorch'
+    elif name.startswith('lmd'):
+        key = 'lmd:hf' if ':hf' in name else 'lmd:gguf'  # TurboMind reads the shipped GGUF as W4A16 by default
+    else:
+        key = name if name in EXPECTED else 'lmd:gguf'
+    startup, prefill, decode = EXPECTED[key]
+    return startup + wl['input_tokens']['total'] / prefill + wl['output_tokens']['total'] / decode + 2 * warmup
 
 
 # ---- main --------------------------------------------------------------------------------------------
@@ -637,7 +644,7 @@ def main(argv=None) -> int:
     warmup = build_warmup(requests, args.warmup, model_dir)
     wl = workload(requests)
     servers = server_specs(args, model_dir)
-    est = {s.name: round(expected_seconds(s.kind, wl, args.warmup)) for s in servers}
+    est = {s.name: round(expected_seconds(s.name, wl, args.warmup)) for s in servers}
     plan = {'benchmark': 'profile_restful_api', 'argv': sys.argv[1:], 'endpoint': args.endpoint,
             'prompt_format': args.prompt_format if args.endpoint == 'completions' else 'chat messages (text)',
             'request_rate': 'inf' if math.isinf(args.request_rate) else args.request_rate,
