@@ -491,15 +491,19 @@ def _response_headers(upstream: httpx.Response) -> dict:
 
 # ---- the app --------------------------------------------------------------------------------
 
-def _api_keys(api_keys) -> list[str]:
-    if api_keys is None:
+def _as_list(value, flag: str) -> list[str]:
+    """A list flag as fire or argparse hands it over: None, 'a,b', a tuple, or one number (a numeric key)."""
+    if value is None:
         return []
-    if isinstance(api_keys, str):
-        api_keys = [k for k in api_keys.replace(',', ' ').split()]
-    keys = [str(k) for k in api_keys]
-    if any(not k for k in keys):
-        raise ValueError('--api-keys must not contain an empty key')
-    return keys
+    if isinstance(value, str):
+        items = value.replace(',', ' ').split()
+    elif isinstance(value, (int, float)):
+        items = [str(value)]
+    else:
+        items = [str(v) for v in value]
+    if any(not v.strip() for v in items):
+        raise ValueError(f'{flag} must not contain an empty value, got {value!r}')
+    return items
 
 
 def build_app(routing_strategy: str = 'min_expected_latency', api_keys=None, health_check_interval: float = 5.0,
@@ -522,8 +526,11 @@ def build_app(routing_strategy: str = 'min_expected_latency', api_keys=None, hea
         raise ValueError(f'--health-check-interval must be > 0 seconds, got {health_check_interval!r}')
     if not health_check_timeout > 0:
         raise ValueError(f'--health-check-timeout must be > 0 seconds, got {health_check_timeout!r}')
-    keys = _api_keys(api_keys)
-    initial = [normalize_url(u) for u in ([nodes] if isinstance(nodes, str) else (nodes or []))]
+    keys = _as_list(api_keys, '--api-keys')
+    try:
+        initial = [normalize_url(u) for u in _as_list(nodes, '--nodes')]
+    except ProxyError as e:
+        raise ValueError(f'--nodes: {e.message}') from None
     state = {}
 
     @asynccontextmanager

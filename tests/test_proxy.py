@@ -133,6 +133,18 @@ def stats(node: Server) -> dict:
     return httpx.get(node.url + '/admin/stats', timeout=5).json()
 
 
+@pytest.fixture
+def spawned():
+    """spawned(server) keeps a server to stop when the test ends, however it ends."""
+    servers = []
+
+    def keep(server: Server) -> Server:
+        servers.append(server)
+        return server
+    yield keep
+    stop_all(servers)
+
+
 # ---- routing policy, without servers --------------------------------------------------------
 
 def _nodes(*specs):
@@ -182,10 +194,15 @@ def test_random_is_weighted_by_speed():
 
 def test_bad_settings_are_named():
     from lmd.serve.proxy import ProxyError, build_app, normalize_url
+    from lmd.serve.proxy import main as proxy_main
     with pytest.raises(ValueError, match='routing.strategy .fastest. is invalid'):
         build_app('fastest')
     with pytest.raises(ValueError, match='health-check-interval'):
         build_app(health_check_interval=0)
+    with pytest.raises(ValueError, match='--nodes: url must look like'):
+        build_app(nodes='http://127.0.0.1:1,127.0.0.1:2')
+    with pytest.raises(SystemExit):
+        proxy_main(['--routing-strategy', 'fastest'])
     assert normalize_url('http://127.0.0.1:23333/') == 'http://127.0.0.1:23333'
     for bad in ('127.0.0.1:23333', 'ftp://x:1', 'http://x:99999', '', None, 5):
         with pytest.raises(ProxyError, match='url'):
@@ -328,76 +345,71 @@ def test_errors_unknown_model_bad_json_add_and_remove(standins):
     assert r.system_fingerprint == 'a'
 
 
-def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path):
+def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path, spawned):
     import openai
-    # a long health interval: what keeps requests answered here is the retry, not the health check
-    proxy = start_proxy(tmp_path, interval=60)
-    a = start_standin(tmp_path, 'a', proxy)
-    b = start_standin(tmp_path, 'b', proxy)
-    try:
-        wait_nodes(proxy, {a.url: True, b.url: True})
-        client = openai_client(proxy)
-        s1 = client.chat.completions.create(model=STANDIN_MODEL, stream=True, max_tokens=400,
-                                            messages=[{'role': 'user', 'content': 'x'}])
-        it1 = iter(s1)
-        first = next(it1).system_fingerprint
-        victim, survivor = (a, b) if first == 'a' else (b, a)
-        victim.kill()
-        with pytest.raises(openai.APIError, match='dropped the stream'):
-            for _ in it1:
-                pass
-        # the proxy has not yet seen a refused connection to the victim
-        for i in range(6):
-            r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': str(i)}])
-            assert r.system_fingerprint == survivor.name
-        status = nodes_status(proxy)
-        assert status[victim.url]['healthy'] is False and status[victim.url]['failures'] >= 1
-        assert status[victim.url]['unfinished'] == 0 and status[survivor.url]['unfinished'] == 0
-        survivor.kill()
-        with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'x'}])
-        assert e.value.status_code == 503 and e.value.body['code'] == 'no_healthy_node'
-        assert victim.url in e.value.body['message'] and survivor.url in e.value.body['message']
-    finally:
-        stop_all([proxy, a, b])
+    # The nodes are given at the proxy's start (--nodes). The health interval is long: what keeps
+    # requests answered here is the retry on another node, not the health check.
+    a = spawned(start_standin(tmp_path, 'a', None))
+    b = spawned(start_standin(tmp_path, 'b', None))
+    proxy = spawned(start_proxy(tmp_path, '--nodes', a.url, b.url, interval=60))
+    wait_nodes(proxy, {a.url: True, b.url: True})
+    client = openai_client(proxy)
+    s1 = client.chat.completions.create(model=STANDIN_MODEL, stream=True, max_tokens=400,
+                                        messages=[{'role': 'user', 'content': 'x'}])
+    it1 = iter(s1)
+    first = next(it1).system_fingerprint
+    victim, survivor = (a, b) if first == 'a' else (b, a)
+    victim.kill()
+    with pytest.raises(openai.APIError, match='dropped the stream'):
+        for _ in it1:
+            pass
+    # the proxy has not yet seen a refused connection to the victim
+    for i in range(6):
+        r = client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': str(i)}])
+        assert r.system_fingerprint == survivor.name
+    status = nodes_status(proxy)
+    assert status[victim.url]['healthy'] is False and status[victim.url]['failures'] >= 1
+    assert status[victim.url]['unfinished'] == 0 and status[survivor.url]['unfinished'] == 0
+    survivor.kill()
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'x'}])
+    assert e.value.status_code == 503 and e.value.body['code'] == 'no_healthy_node'
+    assert victim.url in e.value.body['message'] and survivor.url in e.value.body['message']
 
 
-def test_api_keys(tmp_path):
+def test_api_keys(tmp_path, spawned):
     import openai
-    proxy = start_proxy(tmp_path, '--api-keys', 'k1', 'k2')
+    proxy = spawned(start_proxy(tmp_path, '--api-keys', 'k1', 'k2'))
     # the stand-in requires k2 itself and registers with it: the proxy forwards the client's header
-    a = start_standin(tmp_path, 'a', proxy, '--api-key', 'k2')
-    try:
-        wait_nodes(proxy, {a.url: True}, key='k1')
-        for path in ('/v1/models', '/nodes/status'):
-            for headers in ({}, {'Authorization': 'Bearer wrong'}, {'Authorization': 'k1'}):
-                r = httpx.get(proxy.url + path, headers=headers, timeout=5)
-                assert r.status_code == 401, (path, headers)
-                assert r.json()['error']['code'] == 'invalid_api_key'
-        r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url}, timeout=5)
-        assert r.status_code == 401 and a.url in nodes_status(proxy, 'k2')
-        assert httpx.get(proxy.url + '/health', timeout=5).status_code == 200  # open, for load balancers
-        with pytest.raises(openai.AuthenticationError):
-            openai_client(proxy, 'wrong').chat.completions.create(
-                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert [m.id for m in openai_client(proxy, 'k1').models.list().data] == [STANDIN_MODEL]
-        r = openai_client(proxy, 'k2').chat.completions.create(
+    a = spawned(start_standin(tmp_path, 'a', proxy, '--api-key', 'k2'))
+    wait_nodes(proxy, {a.url: True}, key='k1')
+    for path in ('/v1/models', '/nodes/status'):
+        for headers in ({}, {'Authorization': 'Bearer wrong'}, {'Authorization': 'k1'}):
+            r = httpx.get(proxy.url + path, headers=headers, timeout=5)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()['error']['code'] == 'invalid_api_key'
+    r = httpx.post(proxy.url + '/nodes/remove', json={'url': a.url}, timeout=5)
+    assert r.status_code == 401 and a.url in nodes_status(proxy, 'k2')
+    assert httpx.get(proxy.url + '/health', timeout=5).status_code == 200  # open, for load balancers
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(proxy, 'wrong').chat.completions.create(
             model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert r.choices[0].message.content == 'a says: hi'
-        # k1 passes the proxy, and the node, which wants k2, answers 401 itself
-        with pytest.raises(openai.AuthenticationError, match='stand-in'):
-            openai_client(proxy, 'k1').chat.completions.create(
-                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert stats(a)['auth_seen'][-2:] == ['Bearer k2', 'Bearer k1']
-        a.stop()  # leaves with POST /nodes/remove, sending its key
-        wait_for(lambda: not nodes_status(proxy, 'k1'), 'the stand-in to remove itself')
-        assert openai_client(proxy, 'k1').models.list().data == []
-        with pytest.raises(openai.InternalServerError) as e:
-            openai_client(proxy, 'k1').chat.completions.create(
-                model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
-        assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
-    finally:
-        stop_all([proxy, a])
+    assert [m.id for m in openai_client(proxy, 'k1').models.list().data] == [STANDIN_MODEL]
+    r = openai_client(proxy, 'k2').chat.completions.create(
+        model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+    assert r.choices[0].message.content == 'a says: hi'
+    # k1 passes the proxy, and the node, which wants k2, answers 401 itself
+    with pytest.raises(openai.AuthenticationError, match='stand-in'):
+        openai_client(proxy, 'k1').chat.completions.create(
+            model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+    assert stats(a)['auth_seen'][-2:] == ['Bearer k2', 'Bearer k1']
+    a.stop()  # leaves with POST /nodes/remove, sending its key
+    wait_for(lambda: not nodes_status(proxy, 'k1'), 'the stand-in to remove itself')
+    assert openai_client(proxy, 'k1').models.list().data == []
+    with pytest.raises(openai.InternalServerError) as e:
+        openai_client(proxy, 'k1').chat.completions.create(
+            model=STANDIN_MODEL, messages=[{'role': 'user', 'content': 'hi'}])
+    assert e.value.status_code == 503 and 'no api_server is registered' in e.value.body['message']
 
 
 # ---- behind the proxy: real lmd api_servers ------------------------------------------------
