@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 
 from lmd import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline
 from lmd.engine import EngineRequest
-from lmd.guided import GuidedDecoding, TokenConstraint, normalize_response_format
+from lmd.guided import GuidedDecoding, TokenConstraint, constraint_for, normalize_response_format
 
 SCHEMA = {
     'type': 'object',
@@ -242,3 +243,35 @@ def test_bad_formats_are_refused_at_request_time(backend):
     request = EngineRequest(session_id=123, token_ids=(1, 2, 3), constraint=other)
     with pytest.raises(ValueError, match='vocabulary'):
         pipe.async_engine.engine.add_request(request, lambda out: None)
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_abort_and_close_with_constrained_requests_in_flight(backend):
+    """Aborting drops a constraint on the engine thread, closing drops the rest: neither may hang
+    (TurboMind's thread takes the GIL for them while callers hold it to post messages)."""
+    pipe = get_pipe(backend)
+    eng = pipe.async_engine
+    prompt = tuple(eng.encode(PERSON))
+    outs: dict[int, list] = {901: [], 902: []}
+    started = {sid: threading.Event() for sid in outs}
+    ended = {sid: threading.Event() for sid in outs}
+
+    def callback(sid):
+        def on_output(out):
+            outs[sid].append(out)
+            started[sid].set()
+            if out.finish_reason is not None:
+                ended[sid].set()
+        return on_output
+
+    for sid in outs:
+        request = EngineRequest(session_id=sid, token_ids=prompt, sampling=eng.sampling_params(
+            GenerationConfig(max_new_tokens=400, ignore_eos=True)), constraint=constraint_for(eng, JSON_OBJECT))
+        eng.engine.add_request(request, callback(sid))
+    assert started[901].wait(120)
+    eng.engine.abort(901)
+    assert ended[901].wait(60) and outs[901][-1].finish_reason in ('abort', 'stop')
+    assert started[902].wait(120)
+    pipe.close()  # 902 is still running: it ends with 'abort'
+    del _pipes[backend]
+    assert ended[902].wait(10) and outs[902][-1].finish_reason in ('abort', 'stop')
