@@ -158,13 +158,16 @@ class _Usage:
 
 
 class _RequestTimer:
-    """Observes one request's latencies into the server's histograms."""
+    """Observes one request's latencies into the server's histograms, once, when its last answer
+    ends (or when its client goes away: finish reason 'abort')."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, answers: int = 1):
         self.metrics = metrics
         self.arrival = time.perf_counter()
         self.first: float | None = None
-        self.tokens = 0
+        self.left = answers
+        self.generated = self.longest = self.prompt = 0
+        self.closed = False
 
     def accepted(self) -> None:
         self.metrics.queue.observe(time.perf_counter() - self.arrival)
@@ -175,12 +178,28 @@ class _RequestTimer:
             self.metrics.ttft.observe(self.first - self.arrival)
 
     def done(self, generated: int, prompt: int, reason: str | None) -> None:
+        """One answer ended; the request is recorded when the last one does."""
+        self.generated += generated
+        self.longest = max(self.longest, generated)
+        self.prompt = max(self.prompt, prompt)
+        self.left -= 1
+        if self.left <= 0:
+            self._record(reason)
+
+    def abandoned(self) -> None:
+        """The client went away before the end (nothing happens after the request was recorded)."""
+        self._record('abort')
+
+    def _record(self, reason: str | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
         now = time.perf_counter()
         self.metrics.e2e.observe(now - self.arrival)
-        if self.first is not None and generated > 1:
-            self.metrics.tpot.observe((now - self.first) / (generated - 1))
-        self.metrics.prompt_len.observe(prompt)
-        self.metrics.gen_len.observe(generated)
+        if self.first is not None and self.longest > 1:
+            self.metrics.tpot.observe((now - self.first) / (self.longest - 1))
+        self.metrics.prompt_len.observe(self.prompt)
+        self.metrics.gen_len.observe(self.generated)
         self.metrics.finished(reason)
 
 
@@ -460,7 +479,7 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         server.check_auth(request)
         server.check_model(body.model)
         engine = server.ready_engine()
-        timer = _RequestTimer(server.metrics)
+        timer = _RequestTimer(server.metrics, body.n)
         prep = _prepare_chat(server, engine, body)
         gen = server.gen_config(body, body.max_completion_tokens or body.max_tokens, len(prep.input_ids),
                                 (body.top_logprobs or 0) if body.logprobs else None, prep.response_format)
@@ -469,7 +488,7 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         if body.stream:
             return await _stream_response(request, server, timer, stream,
                                           _ChatStream(server, body, prep, rid, timer))
-        return await _until_done(request, _chat_whole(server, body, prep, rid, stream, timer))
+        return await _until_done(request, _chat_whole(server, body, prep, rid, stream, timer), timer)
 
     # ---- completions -----------------------------------------------------------------------------
 
@@ -481,8 +500,8 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError(400, 'echo with logprobs needs the prompt tokens\' logprobs, which lmd does not '
                                 'compute; send echo or logprobs', param='echo')
-        timer = _RequestTimer(server.metrics)
         prompts = _completion_prompts(engine, body.prompt)
+        timer = _RequestTimer(server.metrics, body.n * len(prompts))
         for i, ids in enumerate(prompts):
             server.check_prompt_len(engine, len(ids), 'prompt' if len(prompts) == 1 else f'prompt.{i}')
         response_format = body.response_format.to_generation_format() if body.response_format else None
@@ -497,7 +516,7 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         merged = _merge(streams)
         if body.stream:
             return await _stream_response(request, server, timer, merged, ctx)
-        return await _until_done(request, _completion_whole(ctx, merged))
+        return await _until_done(request, _completion_whole(ctx, merged), timer)
 
     # ---- LMDeploy's /generate --------------------------------------------------------------------
 
@@ -626,7 +645,7 @@ async def _first(stream):
     return first, agen
 
 
-async def _until_done(request: Request, coro):
+async def _until_done(request: Request, coro, timer: _RequestTimer):
     """Await ``coro`` (a whole answer) but cancel it when the client disconnects meanwhile."""
     task = asyncio.ensure_future(coro)
     try:
@@ -636,6 +655,7 @@ async def _until_done(request: Request, coro):
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
+                timer.abandoned()
                 logger.info('client went away; request cancelled')
                 return HTTPResponse(status_code=499)
     finally:
@@ -674,14 +694,13 @@ async def _stream_response(request: Request, server: Server, timer: _RequestTime
                     item = None
             for chunk in ctx.finish():
                 yield _sse(chunk)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:
             err = _engine_error(e)
             logger.warning('request failed mid-stream: %s', err.message)
             server.metrics.error(err.status)
             yield _sse(err.body())
         finally:
+            timer.abandoned()  # a no-op after the last answer; else the client closed the stream
             await agen.aclose()
         yield 'data: [DONE]\n\n'
 
@@ -1083,10 +1102,9 @@ async def _generate(request: Request, server: Server, engine: AsyncEngine, body:
                     except StopAsyncIteration:
                         r = None
             except Exception as e:
-                if isinstance(e, asyncio.CancelledError):
-                    raise
                 yield json.dumps(_engine_error(e).body()) + '\n'
             finally:
+                timer.abandoned()  # a no-op after the last answer
                 await agen.aclose()
         return StreamingResponse(lines(), media_type='application/x-ndjson')
 
@@ -1116,7 +1134,7 @@ async def _generate(request: Request, server: Server, engine: AsyncEngine, body:
             out['logprobs'] = [{str(k): v for k, v in d.items()} for d in lps]
         return out
 
-    return await _until_done(request, whole())
+    return await _until_done(request, whole(), timer)
 
 
 # ---- entry point -------------------------------------------------------------------------------------------
