@@ -1144,6 +1144,8 @@ def _as_tuple(value) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = value.split(',')
+    elif not isinstance(value, (list, tuple)):
+        value = [value]  # fire reads --api-keys 123 as a number
     return tuple(str(v).strip() for v in value if str(v).strip())
 
 
