@@ -68,8 +68,8 @@ class ProxyError(Exception):
 
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    body = {'error': {'message': message, 'type': type or _ERROR_TYPES.get(status, 'invalid_request_error' if status < 500 else 'server_error'),
-                      'param': param, 'code': code or str(status)}}
+    type = type or _ERROR_TYPES.get(status, 'invalid_request_error' if status < 500 else 'server_error')
+    body = {'error': {'message': message, 'type': type, 'param': param, 'code': code or str(status)}}
     return JSONResponse(body, status_code=status, headers={'WWW-Authenticate': 'Bearer'} if status == 401 else None)
 
 
