@@ -228,6 +228,7 @@ class Serve:
             share: ask Gradio for a public link (needs the internet).
         """
         from lmd.serve.gradio_app import run_gradio
+
         from .messages import ChatTemplateConfig
         local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://')))
         config = None
@@ -334,11 +335,12 @@ class CLI:
         print(f'wrote {path}')
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_fire(component, argv: list[str] | None, name: str) -> int:
+    """Run a fire command line; a user's mistake prints one ``lmd: error:`` line and returns 2."""
     import fire
     os.environ.setdefault('PAGER', 'cat')  # fire pages --help through less on a terminal otherwise
     try:
-        fire.Fire(CLI, command=argv, name='lmd')
+        fire.Fire(component, command=argv, name=name)
     except fire.core.FireExit as e:
         return e.code
     except (LmdError, ValueError, NotImplementedError, FileNotFoundError) as e:
@@ -347,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_fire(CLI, argv, 'lmd')
 
 
 if __name__ == '__main__':

@@ -119,20 +119,8 @@ def run_api_client(api_server_url: str, api_key: str | None = None, model: str |
 def main(argv: list[str] | None = None) -> int:
     """``python -m lmd.serve.api_client URL [--api-key] [--model] [--system] [--temperature] [--top-p]
     [--max-tokens]``."""
-    import os
-
-    import fire
-    os.environ.setdefault('PAGER', 'cat')
-    try:
-        fire.Fire(run_api_client, command=argv, name='lmd serve api_client')
-    except fire.core.FireExit as e:
-        return e.code
-    except (LmdError, ValueError) as e:
-        print(f'lmd: error: {e}', file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    from lmd.cli import run_fire
+    return run_fire(run_api_client, argv, 'lmd serve api_client')
 
 
 if __name__ == '__main__':

@@ -25,14 +25,16 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response as HTTPResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response as HTTPResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmd.async_engine import AsyncEngine
@@ -40,8 +42,14 @@ from lmd.chat_template import to_messages
 from lmd.messages import GenerationConfig, Response
 
 from .metrics import ServerMetrics
-from .openai_protocol import (ChatCompletionRequest, CompletionRequest, DecodeRequest, EncodeRequest,
-                              GenerateRequest, ToolChoiceFunction)
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DecodeRequest,
+    EncodeRequest,
+    GenerateRequest,
+    ToolChoiceFunction,
+)
 from .token_texts import TokenTexts
 
 logger = logging.getLogger('lmd.serve')
@@ -248,7 +256,7 @@ class Server:
     def _register_with_proxy(self) -> None:
         import httpx
         try:
-            httpx.post(f'{self.config.proxy_url.rstrip("/")}/nodes/add', json={'url': self.config.server_url},
+            httpx.post(f'{self.config.proxy_url.rstrip("/")}/nodes/add', json={'url': self.config.server_url, 'status': {'models': [self.config.model_name]}},
                        headers=self._proxy_headers(), timeout=10).raise_for_status()
             logger.info('registered %s with the proxy at %s', self.config.server_url, self.config.proxy_url)
         except Exception as e:
@@ -645,6 +653,17 @@ async def _first(stream):
     return first, agen
 
 
+async def _rest(first, agen):
+    """``first``, then the rest of ``agen`` (what ``_first`` split)."""
+    item = first
+    while item is not None:
+        yield item
+        try:
+            item = await agen.__anext__()
+        except StopAsyncIteration:
+            return
+
+
 async def _until_done(request: Request, coro, timer: _RequestTimer):
     """Await ``coro`` (a whole answer) but cancel it when the client disconnects meanwhile."""
     task = asyncio.ensure_future(coro)
@@ -684,14 +703,9 @@ async def _stream_response(request: Request, server: Server, timer: _RequestTime
         try:
             for chunk in ctx.start():
                 yield _sse(chunk)
-            item = first
-            while item is not None:
+            async for item in _rest(first, agen):
                 for chunk in ctx.feed(item):
                     yield _sse(chunk)
-                try:
-                    item = await agen.__anext__()
-                except StopAsyncIteration:
-                    item = None
             for chunk in ctx.finish():
                 yield _sse(chunk)
         except Exception as e:
@@ -855,8 +869,7 @@ async def _chat_whole(server: Server, body: ChatCompletionRequest, prep: _ChatPr
     usage = _Usage()
     choices = [_Choice(i) for i in range(body.n)]
     try:
-        r = first
-        while r is not None:
+        async for r in _rest(first, agen):
             c = choices[r.index]
             usage.add(r.index, r)
             timer.token(r.generate_token_len)
@@ -868,10 +881,6 @@ async def _chat_whole(server: Server, body: ChatCompletionRequest, prep: _ChatPr
                 c.finish_reason = r.finish_reason
                 c.num_tokens = r.generate_token_len
                 timer.done(r.generate_token_len, r.input_token_len, r.finish_reason)
-            try:
-                r = await agen.__anext__()
-            except StopAsyncIteration:
-                r = None
     except Exception as e:
         raise _engine_error(e) from e
     finally:
@@ -987,8 +996,7 @@ async def _completion_whole(ctx: _CompletionCtx, merged):
     lps: list[dict | None] = [None] * total
     finish = ['stop'] * total
     try:
-        item = first
-        while item is not None:
+        async for item in _rest(first, agen):
             for chunk in ctx.feed(item):
                 ch = chunk['choices'][0]
                 i = ch['index']
@@ -1000,10 +1008,6 @@ async def _completion_whole(ctx: _CompletionCtx, merged):
                         lps[i][key].extend(ch['logprobs'][key])
                 if ch['finish_reason'] is not None:
                     finish[i] = ch['finish_reason']
-            try:
-                item = await agen.__anext__()
-            except StopAsyncIteration:
-                item = None
     except Exception as e:
         raise _engine_error(e) from e
     finally:
@@ -1091,16 +1095,11 @@ async def _generate(request: Request, server: Server, engine: AsyncEngine, body:
     if body.stream:
         async def lines():
             try:
-                r = first
-                while r is not None:
+                async for r in _rest(first, agen):
                     timer.token(r.generate_token_len)
                     if r.finish_reason is not None:
                         timer.done(r.generate_token_len, r.input_token_len, r.finish_reason)
                     yield json.dumps(piece(r), ensure_ascii=False) + '\n'
-                    try:
-                        r = await agen.__anext__()
-                    except StopAsyncIteration:
-                        r = None
             except Exception as e:
                 yield json.dumps(_engine_error(e).body()) + '\n'
             finally:
@@ -1111,17 +1110,12 @@ async def _generate(request: Request, server: Server, engine: AsyncEngine, body:
     async def whole():
         pieces, last, all_ids, lps = [], None, [], []
         try:
-            r = first
-            while r is not None:
+            async for r in _rest(first, agen):
                 timer.token(r.generate_token_len)
                 pieces.append(r.text)
                 all_ids.extend(r.token_ids)
                 lps.extend(r.logprobs or [])
                 last = r
-                try:
-                    r = await agen.__anext__()
-                except StopAsyncIteration:
-                    r = None
         except Exception as e:
             raise _engine_error(e) from e
         finally:
@@ -1172,7 +1166,11 @@ def serve(model_path: str | None = None, backend: str | None = None, server_name
     """Serve MODEL over an OpenAI-compatible HTTP API (see ``lmd serve api_server --help``)."""
     import uvicorn
 
-    from lmd.messages import ChatTemplateConfig, PytorchEngineConfig, TurbomindEngineConfig
+    from lmd.messages import (
+        ChatTemplateConfig,
+        PytorchEngineConfig,
+        TurbomindEngineConfig,
+    )
     from lmd.model_path import prepare_model_dir
 
     level = str(log_level).upper()

@@ -20,11 +20,17 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
-from lmd.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
+from lmd.messages import (
+    ChatTemplateConfig,
+    GenerationConfig,
+    PytorchEngineConfig,
+    TurbomindEngineConfig,
+)
 
 DEFAULT_MAX_CONCURRENT = 64
 
@@ -339,22 +345,8 @@ def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', se
 def main(argv: list[str] | None = None) -> int:
     """``python -m lmd.serve.gradio_app [MODEL_OR_URL] [--server-name] [--server-port] [--backend] [--api-key]
     [--share] [--max-concurrent]``; ``lmd serve gradio`` adds the engine flags."""
-    import sys
-
-    import fire
-
-    from lmd.errors import LmdError
-    os.environ.setdefault('PAGER', 'cat')
-    try:
-        fire.Fire(run_gradio, command=argv, name='lmd serve gradio')
-    except fire.core.FireExit as e:
-        return e.code
-    except (LmdError, ValueError, FileNotFoundError) as e:
-        print(f'lmd: error: {e}', file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    from lmd.cli import run_fire
+    return run_fire(run_gradio, argv, 'lmd serve gradio')
 
 
 if __name__ == '__main__':

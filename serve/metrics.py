@@ -7,7 +7,7 @@ server observes once a request ends. Names follow vLLM's, under the ``lmd:`` pre
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

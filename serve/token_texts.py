@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from lmd.tokenizer import Tokenizer
 
