@@ -256,8 +256,9 @@ class Server:
     def _register_with_proxy(self) -> None:
         import httpx
         try:
-            httpx.post(f'{self.config.proxy_url.rstrip("/")}/nodes/add', json={'url': self.config.server_url, 'status': {'models': [self.config.model_name]}},
-                       headers=self._proxy_headers(), timeout=10).raise_for_status()
+            body = {'url': self.config.server_url, 'status': {'models': [self.config.model_name]}}
+            httpx.post(f'{self.config.proxy_url.rstrip("/")}/nodes/add', json=body, headers=self._proxy_headers(),
+                       timeout=10).raise_for_status()
             logger.info('registered %s with the proxy at %s', self.config.server_url, self.config.proxy_url)
         except Exception as e:
             logger.error('could not register with the proxy at %s: %s', self.config.proxy_url, e)
