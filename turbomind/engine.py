@@ -10,9 +10,11 @@ and hands each to its request's callback, in order.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 
 import torch
 
@@ -108,6 +110,10 @@ class TurbomindEngine(Engine):
         self._closed = False
         self._reader = threading.Thread(target=self._read_outputs, name='lmd-turbomind-outputs', daemon=True)
         self._reader.start()
+        # An engine still open at interpreter exit is closed before teardown: its output thread,
+        # blocked in wait_outputs without the GIL, would otherwise wake into a finalizing interpreter.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
     # ---- the Engine interface (any thread) ------------------------------------------------------------
 
