@@ -22,6 +22,7 @@ until it is whole. One parser per answer.
 """
 from __future__ import annotations
 
+from .registry import Registry
 from .tool_parser import partial_suffix
 
 THINK_START, THINK_END = '<think>', '</think>'
@@ -146,26 +147,7 @@ def prompt_opens_think(prompt: str) -> bool:
     return start >= 0 and prompt.find(THINK_END, start) < 0
 
 
-class ReasoningParserManager:
-    _parsers: dict[str, type[ReasoningParser]] = {}
-
-    @classmethod
-    def register(cls, *names: str):
-        def wrap(parser: type[ReasoningParser]) -> type[ReasoningParser]:
-            for name in names:
-                cls._parsers[name] = parser
-            return parser
-        return wrap
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return sorted(cls._parsers)
-
-    @classmethod
-    def get(cls, name: str) -> type[ReasoningParser]:
-        if name not in cls._parsers:
-            raise ValueError(f'reasoning parser {name!r} is unknown: available are {", ".join(cls.names())}')
-        return cls._parsers[name]
+ReasoningParserManager = Registry('reasoning parser')
 
 
 @ReasoningParserManager.register('deepseek-r1')

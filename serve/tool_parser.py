@@ -41,6 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .registry import Registry
+
 # ---- what parsers return ---------------------------------------------------------------------------
 
 
@@ -572,26 +574,7 @@ class ToolParser:
         return self._stream.num_calls > 0
 
 
-class ToolParserManager:
-    _parsers: dict[str, type[ToolParser]] = {}
-
-    @classmethod
-    def register(cls, *names: str):
-        def wrap(parser: type[ToolParser]) -> type[ToolParser]:
-            for name in names:
-                cls._parsers[name] = parser
-            return parser
-        return wrap
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return sorted(cls._parsers)
-
-    @classmethod
-    def get(cls, name: str) -> type[ToolParser]:
-        if name not in cls._parsers:
-            raise ValueError(f'tool call parser {name!r} is unknown: available are {", ".join(cls.names())}')
-        return cls._parsers[name]
+ToolParserManager = Registry('tool call parser')
 
 
 @ToolParserManager.register('qwen', 'hermes')
