@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +15,12 @@ import time
 import urllib.request
 
 import pytest
+import server_utils
 
 KEY = 'test-key'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+free_port = server_utils.free_port
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -37,29 +34,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
 
 @pytest.fixture(scope='module')
 def api_server():
-    port = free_port()
-    base = f'http://127.0.0.1:{port}'
-    proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.api_server', 'smollm2', '--server-name', '127.0.0.1',
-                             '--server-port', str(port), '--api-keys', KEY, '--num-threads', '1'],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f'the api_server exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}')
-        try:
-            return urllib.request.urlopen(f'{base}/health', timeout=2).status == 200
-        except OSError:
-            return False
-    try:
-        wait_until(healthy, 180, f'the api_server at {base} to be healthy', interval=0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with server_utils.api_server('smollm2', '--api-keys', KEY, '--num-threads', '1') as s:
+        yield s.wait_ready().url
 
 
 def client_cmd(*args: str) -> list[str]:

@@ -11,23 +11,20 @@ import asyncio
 import concurrent.futures
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+import server_utils
 
 from lmd.messages import GenerationConfig, PytorchEngineConfig
 
 CHROMIUM = '/usr/bin/chromium'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+free_port = server_utils.free_port
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
@@ -276,34 +273,12 @@ def metric(base: str, name: str) -> float:
 
 @pytest.fixture(scope='module')
 def api_server():
-    port = free_port()
-    base = f'http://127.0.0.1:{port}'
-    proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.api_server', 'smollm2', '--server-name', '127.0.0.1',
-                             '--server-port', str(port), '--num-threads', '1'],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f'the api_server exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}')
-        try:
-            return urllib.request.urlopen(f'{base}/health', timeout=2).status == 200
-        except OSError:
-            return False
-    try:
-        wait_until(healthy, 180, f'the api_server at {base} to be healthy', interval=0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with server_utils.api_server('smollm2', '--num-threads', '1') as s:
+        yield s.wait_ready().url
 
 
 def test_url_mode_streams_from_an_api_server_and_stop_closes_the_stream(browser, api_server):
     import openai
-
     from lmd.serve.gradio_app import build_demo, open_chat_client
     chat = open_chat_client(api_server)
     demo = build_demo(chat)
@@ -336,7 +311,12 @@ def test_url_mode_streams_from_an_api_server_and_stop_closes_the_stream(browser,
 
 
 def test_bad_arguments_are_named():
-    from lmd.serve.gradio_app import ChatSettings, build_demo, open_chat_client, run_gradio
+    from lmd.serve.gradio_app import (
+        ChatSettings,
+        build_demo,
+        open_chat_client,
+        run_gradio,
+    )
     with pytest.raises(ValueError, match='temperature'):
         ChatSettings(temperature=3.0)
     with pytest.raises(ValueError, match='top_p'):
