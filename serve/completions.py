@@ -1,0 +1,130 @@
+"""``/v1/completions``: raw prompts (text or token ids, one or many) and their ``n`` answers each."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from lmd.async_engine import AsyncEngine
+from lmd.messages import Response
+
+from .openai_protocol import CompletionRequest
+from .streaming import APIError, RequestTimer, Usage, as_api_error, rejoin, split_first
+
+if TYPE_CHECKING:
+    from .api_server import Server
+
+
+def completion_prompts(engine: AsyncEngine, prompt) -> list[list[int]]:
+    vocab = engine.model_info.vocab_size
+    if isinstance(prompt, str):
+        rows = [engine.tokenizer.encode(prompt, add_special_tokens=True)]
+    elif isinstance(prompt[0], str):
+        rows = [engine.tokenizer.encode(p, add_special_tokens=True) for p in prompt]
+    elif isinstance(prompt[0], int):
+        rows = [list(prompt)]
+    else:
+        rows = [list(p) for p in prompt]
+    for i, row in enumerate(rows):
+        if not row:
+            raise APIError(400, 'the prompt is empty', param='prompt')
+        if max(row) >= vocab:
+            raise APIError(400, f'token id {max(row)} is outside the vocabulary [0, {vocab})', param='prompt')
+    return rows
+
+
+# ---- completions -----------------------------------------------------------------------------------------
+
+class CompletionStream:
+
+    def __init__(self, server: Server, body: CompletionRequest, rid: str, echo: list[str] | None,
+                 timer: RequestTimer, n: int, n_prompts: int):
+        self.server, self.body, self.rid, self.echo, self.timer = server, body, rid, echo, timer
+        self.n, self.n_prompts = n, n_prompts
+        self.created = int(time.time())
+        self.model = server.config.model_name
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.usages = [Usage() for _ in range(n_prompts)]
+        self.offsets = [0] * (n * n_prompts)
+        self.echoed = [False] * (n * n_prompts)
+        self.done = 0
+
+    def index(self, k: int, r: Response) -> int:
+        return k * self.n + r.index
+
+    def start(self):
+        return ()
+
+    def logprobs(self, i: int, token_ids, logprobs) -> dict:
+        lp = self.server.token_texts.completion_logprobs(token_ids, logprobs, self.body.logprobs or 0,
+                                                         self.offsets[i])
+        if lp['text_offset']:
+            self.offsets[i] = lp['text_offset'][-1] + len(lp['tokens'][-1])
+        return lp
+
+    def feed(self, item: tuple[int, Response]):
+        k, r = item
+        i = self.index(k, r)
+        self.usages[k].add(r.index, r)
+        self.timer.token(r.generate_token_len)
+        text = r.text
+        if self.echo is not None and not self.echoed[i]:
+            self.echoed[i] = True
+            text = self.echo[k] + text
+        lp = self.logprobs(i, r.token_ids, r.logprobs) if self.body.logprobs is not None and r.logprobs else None
+        if r.finish_reason is not None:
+            self.done += 1
+            self.timer.done(r.generate_token_len, r.input_token_len, r.finish_reason)
+        if not text and lp is None and r.finish_reason is None:
+            return
+        chunk = {'id': self.rid, 'object': 'text_completion', 'created': self.created, 'model': self.model,
+                 'choices': [{'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason}]}
+        if self.include_usage:
+            chunk['usage'] = None
+        yield chunk
+
+    def usage(self) -> dict:
+        p = sum(u.prompt_tokens for u in self.usages)
+        c = sum(sum(u.completion.values()) for u in self.usages)
+        return {'prompt_tokens': p, 'completion_tokens': c, 'total_tokens': p + c,
+                'prompt_tokens_details': {'cached_tokens': sum(u.cached_tokens for u in self.usages)}}
+
+    def finish(self):
+        if self.include_usage:
+            yield {'id': self.rid, 'object': 'text_completion', 'created': self.created, 'model': self.model,
+                   'choices': [], 'usage': self.usage()}
+
+
+async def completion_whole(ctx: CompletionStream, merged):
+    try:
+        first, agen = await split_first(merged)
+    except Exception as e:
+        raise as_api_error(e) from e
+    ctx.timer.accepted()
+    total = ctx.n * ctx.n_prompts
+    texts = [[] for _ in range(total)]
+    lps: list[dict | None] = [None] * total
+    finish = ['stop'] * total
+    try:
+        async for item in rejoin(first, agen):
+            for chunk in ctx.feed(item):
+                ch = chunk['choices'][0]
+                i = ch['index']
+                texts[i].append(ch['text'])
+                if ch['logprobs'] is not None:
+                    if lps[i] is None:
+                        lps[i] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+                    for key in lps[i]:
+                        lps[i][key].extend(ch['logprobs'][key])
+                if ch['finish_reason'] is not None:
+                    finish[i] = ch['finish_reason']
+    except Exception as e:
+        raise as_api_error(e) from e
+    finally:
+        await agen.aclose()
+    if ctx.body.logprobs is not None:
+        empty = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+        lps = [lp or dict(empty) for lp in lps]
+    choices = [{'index': i, 'text': ''.join(texts[i]), 'logprobs': lps[i], 'finish_reason': finish[i]}
+               for i in range(total)]
+    return {'id': ctx.rid, 'object': 'text_completion', 'created': ctx.created, 'model': ctx.model,
+            'choices': choices, 'usage': ctx.usage()}
