@@ -8,12 +8,14 @@ conversation in a ``gr.State``. A client is where answers come from:
   each turn prefills only the new message. Clear (or a closed tab) ends it.
 - ``OpenAIChat``: an api_server URL, through the official ``openai`` client.
   A conversation is the message list the client resends each turn.
-
-A third kind (a Triton address) fits by implementing the same four methods.
+- ``TritonChat``: lmd's models on a Triton Inference Server
+  (``triton://HOST:PORT[/MODEL]``, the gRPC port; see ``lmd serve triton``).
+  A conversation is a session on the server, which keeps its KV cache between
+  turns; Clear (or a closed tab) ends it.
 
 Stop cancels the answering event: its async generator is closed, which aborts
-the engine request (local) or closes the HTTP stream (URL), and the partial
-answer stays in the conversation.
+the engine request (local) or closes the HTTP or gRPC stream (URL, Triton), and
+the partial answer stays in the conversation.
 """
 from __future__ import annotations
 
@@ -205,11 +207,72 @@ class OpenAIChat(ChatClient):
         pass  # the AsyncOpenAI client's connections belong to the event loop that is gone by now
 
 
+class TritonChat(ChatClient):
+    """lmd's ``ensemble`` or ``lmd_model`` on a Triton server; a conversation is one of its sessions.
+
+    A turn sends only the new message into the session. A changed system prompt, or a turn cut short
+    (Stop), leaves the session out of step with the history: the next turn ends it and replays the
+    history into a fresh one.
+    """
+
+    def __init__(self, address: str):
+        from .triton_client import TritonChatClient
+        self.client = TritonChatClient(address)
+        self.description = f'{self.client.model} on Triton at {self.client.address}'
+        self._ending: set[asyncio.Future] = set()  # end_conversation's requests still on their way
+
+    def new_conversation(self):
+        from .triton_client import Conversation
+        return Conversation()
+
+    async def stream(self, conv, message, system, settings):
+        from .triton_client import TritonClientError, chat_turn
+        messages = with_system(conv.messages, system)
+        if messages != conv.messages:  # the server's session holds the old system prompt
+            conv.messages = messages
+            conv.restart()
+        try:
+            async for text, _ in chat_turn(self.client, conv, message, max_tokens=int(settings.max_new_tokens),
+                                           temperature=float(settings.temperature), top_p=float(settings.top_p)):
+                if text:
+                    yield text
+        except TritonClientError as e:
+            raise ConnectionError(str(e)) from None
+
+    def end_conversation(self, conv):
+        """Ends the conversation's sessions in the background: Gradio calls this from its event loop
+        (Clear) or from a thread (a closed tab), and neither should wait for the server."""
+        import copy
+
+        from .triton_client import end_conversation
+        held = copy.copy(conv)
+        conv.messages, conv.session_id, conv.stale_session = [], None, None
+        if held.session_id is None and held.stale_session is None:
+            return
+        try:
+            fut = asyncio.get_running_loop().create_task(end_conversation(self.client, held))
+        except RuntimeError:  # no event loop in this thread
+            import concurrent.futures
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            fut = pool.submit(asyncio.run, end_conversation(self.client, held))
+            pool.shutdown(wait=False)
+        self._ending.add(fut)
+        fut.add_done_callback(self._ending.discard)
+
+
 def open_chat_client(model_or_url: str | None = None, backend: str | None = None,
                      backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
                      chat_template_config: ChatTemplateConfig | None = None,
                      api_key: str | None = None) -> ChatClient:
-    """``http(s)://...`` -> OpenAIChat; anything else (a model path, 'smollm2', None) -> LocalChat."""
+    """``http(s)://...`` -> OpenAIChat; ``triton://HOST:PORT[/MODEL]`` -> TritonChat; anything else
+    (a model path, 'smollm2', None) -> LocalChat."""
+    if isinstance(model_or_url, str) and model_or_url.startswith('triton://'):
+        if backend is not None or backend_config is not None or chat_template_config is not None:
+            raise ValueError('backend, engine options and chat_template apply to a local model, '
+                             f'not to the Triton server at {model_or_url}')
+        if api_key is not None:
+            raise ValueError(f'api_key applies to an api_server URL (http://...), not to {model_or_url}')
+        return TritonChat(model_or_url)
     if isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://')):
         if backend is not None or backend_config is not None or chat_template_config is not None:
             raise ValueError('backend, engine options and chat_template apply to a local model, '
@@ -324,8 +387,10 @@ def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', se
     """Serve the chat page until interrupted.
 
     Args:
-        model_or_url: a model path or 'smollm2' (None: the embedded default) to run here, or an
-            api_server URL (``http://HOST:PORT``) to chat through.
+        model_or_url: a model path or 'smollm2' (None: the embedded default) to run here, an
+            api_server URL (``http://HOST:PORT``) to chat through, or a Triton server running
+            ``lmd serve triton``'s models (``triton://HOST:PORT`` with its gRPC port; add ``/lmd_model``
+            for that model instead of ``ensemble``).
         server_name, server_port: where the page listens.
         backend, backend_config, chat_template_config: the local engine's, as for ``pipeline()``.
         api_key: the api_server's key, for a URL.

@@ -1,0 +1,191 @@
+"""lmd's Triton clients against a real tritonserver serving SmolLM2 on 127.0.0.1.
+
+The repository is the one ``lmd serve triton`` writes (TurboMind, the default
+backend). Answers are greedy, so what the clients show is compared with what
+``pipeline()`` on the same backend answers for the same conversation:
+
+- the terminal client (``python -m lmd.serve.triton_client``) as a subprocess,
+  two turns of one server session, then /exit;
+- ``TritonChatClient``: a consumer cancelled mid-answer closes its gRPC stream,
+  the server aborts the request, and it keeps serving;
+- the Gradio page on ``triton://HOST:PORT/lmd_model`` in a real browser.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import server_utils
+from test_gradio import CHROMIUM, ChatPage, in_thread, plain
+
+from lmd.messages import GenerationConfig, TurbomindEngineConfig
+
+# the engine flags of the served models and of the pipeline they are compared with
+ENGINE = dict(session_len=2048, num_threads=1)
+LONG_PROMPT = 'Write a very long story about a dragon who learns to fly.'
+
+
+@pytest.fixture(scope='module')
+def triton(smollm2_dir):
+    """A tritonserver on lmd's repository for SmolLM2: ``ensemble`` (pre/engine/post) and ``lmd_model``."""
+    from lmd.serve.triton import build_repository
+    from lmd.serve.triton_server import TritonNotInstalled, TritonServer
+    work = tempfile.mkdtemp(prefix='lmd-triton-client-')
+    repo = build_repository(smollm2_dir, os.path.join(work, 'repository'), backend='turbomind', **ENGINE)
+    log = os.path.join(work, 'tritonserver.log')
+    server = TritonServer(repo, http_port=server_utils.free_port(), grpc_port=server_utils.free_port(),
+                          metrics_port=server_utils.free_port(), log_path=log)
+    try:
+        server.start(timeout=300)
+    except TritonNotInstalled as e:
+        pytest.fail(f'these tests need a real tritonserver and none can be set up here: {e}')
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope='module')
+def pipe(smollm2_dir):
+    """The engine the served models run, in this process: the reference for greedy answers."""
+    from lmd.api import pipeline
+    p = pipeline(smollm2_dir, backend='turbomind', backend_config=TurbomindEngineConfig(**ENGINE))
+    yield p
+    p.close()
+
+
+def greedy(pipe, messages: list[dict], max_tokens: int) -> str:
+    return pipe(messages, GenerationConfig(max_new_tokens=max_tokens)).text
+
+
+def replies(stdout: str) -> list[str]:
+    """What followed each '>>> ' prompt, up to the next one."""
+    return [part.strip() for part in stdout.split('\n>>> ')[1:]]
+
+
+def run_client(*args: str, stdin: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-m', 'lmd.serve.triton_client', *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_terminal_client_streams_greedy_answers_in_one_session(triton, pipe):
+    q1, q2 = 'What is the capital of France?', 'And of Germany?'
+    a1 = greedy(pipe, [{'role': 'user', 'content': q1}], 24)
+    a2 = greedy(pipe, [{'role': 'user', 'content': q1}, {'role': 'assistant', 'content': a1},
+                       {'role': 'user', 'content': q2}], 24)
+    r = run_client(triton.grpc_url, '--max-tokens', '24', stdin=f'{q1}\n{q2}\n/exit\nnever read\n')
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'Traceback' not in r.stdout + r.stderr, r.stderr
+    assert r.stdout.startswith(f"lmd triton_client: model 'ensemble' at {triton.grpc_url}."), r.stdout
+    cut = ' [stopped: max_tokens reached]'
+    got = [g.removesuffix(cut).strip() for g in replies(r.stdout)]
+    assert got == [a1.strip(), a2.strip(), ''], got
+
+
+def test_cancelled_stream_is_aborted_and_the_server_keeps_serving(triton, pipe):
+    from lmd.serve.triton_client import TritonChatClient, TritonClientError
+    client = TritonChatClient(triton.grpc_url)
+    session = 4242
+
+    async def scenario():
+        pieces: list[str] = []
+        started = asyncio.Event()
+
+        async def consume():
+            async for text, reason in client.stream(LONG_PROMPT, session_id=session, sequence_start=True,
+                                                    sequence_end=False, max_tokens=2000):
+                assert reason is None, f'the long answer ended ({reason}) before it was cancelled'
+                pieces.append(text)
+                if len(''.join(pieces)) > 40:
+                    started.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait_for(started.wait(), 120)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled_at = time.monotonic()
+        # the engine refuses a second request of a session while one is in flight: once the server
+        # has aborted the cancelled one (not 2000 tokens later), the session takes a new request
+        while True:
+            try:
+                out = [t async for t, _ in client.stream('Hi.', session_id=session, max_tokens=4)]
+                break
+            except TritonClientError as e:
+                assert 'in flight' in str(e), e
+                assert time.monotonic() - cancelled_at < 10, 'the server still generates for the closed stream'
+                await asyncio.sleep(0.1)
+        return ''.join(out)
+
+    assert in_thread(scenario())
+    # and it still answers as the engine does, on both models
+    q = 'Name a color.'
+    expected = greedy(pipe, [{'role': 'user', 'content': q}], 12)
+
+    async def ask(model):
+        return ''.join([t async for t, _ in client.stream(q, model=model, max_tokens=12)])
+    assert in_thread(ask('ensemble')) == expected
+    assert in_thread(ask('lmd_model')) == expected
+
+
+def test_errors_name_the_server_and_the_input(triton):
+    from lmd.serve.triton_client import TritonChatClient, TritonClientError
+
+    async def collect(client, prompt, **kw):
+        return [t async for t, _ in client.stream(prompt, **kw)]
+
+    with pytest.raises(TritonClientError, match="model 'ensemble' at .*temperature"):
+        in_thread(collect(TritonChatClient(triton.grpc_url), 'Hi', temperature=-1.0))
+    with pytest.raises(TritonClientError, match="model 'nope' at .*"):
+        in_thread(collect(TritonChatClient(triton.grpc_url, 'nope'), 'Hi'))
+    port = server_utils.free_port()  # nothing listens there
+    with pytest.raises(TritonClientError, match=f'cannot reach the Triton server at 127.0.0.1:{port}'):
+        in_thread(collect(TritonChatClient(f'127.0.0.1:{port}'), 'Hi'))
+    r = run_client(f'127.0.0.1:{port}', stdin='Hi\n', timeout=60)
+    assert r.returncode == 2 and f'cannot reach the Triton server at 127.0.0.1:{port}' in r.stderr, r.stderr
+    r = run_client(f'http://{triton.http_url}', stdin='Hi\n', timeout=60)
+    assert r.returncode == 2 and 'not a Triton address' in r.stderr, r.stderr
+    r = run_client(triton.grpc_url, '--model', 'nope', stdin='Hi\n', timeout=60)
+    assert r.returncode == 2 and "model 'nope' is not ready" in r.stderr and 'lmd_model' in r.stderr, r.stderr
+
+
+@pytest.fixture(scope='module')
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f'{CHROMIUM} is missing: this test drives a real browser. Install it with '
+                    '`apt-get install chromium` (Playwright cannot download its own browser here)')
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=['--no-sandbox'])
+        yield b
+        b.close()
+
+
+def test_gradio_page_on_triton_streams_the_greedy_answer(triton, pipe, browser):
+    from lmd.serve.gradio_app import TritonChat, build_demo, open_chat_client
+    chat = open_chat_client(f'triton://{triton.grpc_url}/lmd_model')
+    assert isinstance(chat, TritonChat) and chat.client.model == 'lmd_model'
+    demo = build_demo(chat, max_concurrent=4)
+    port = server_utils.free_port()
+    demo.launch(server_name='127.0.0.1', server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        page = ChatPage(browser.new_context(), f'http://127.0.0.1:{port}/')
+        page.settings(temperature=0, max_new_tokens=32)
+        q1 = 'Tell me about Paris.'
+        a1 = greedy(pipe, [{'role': 'user', 'content': q1}], 32)
+        page.send(q1)
+        grew = [plain(s) for s in page.wait_answer(a1)]
+        assert len(grew) >= 3, f'the answer appeared in {len(grew)} steps, not streamed: {grew}'
+        # the second turn continues the server's session
+        q2 = 'What is it famous for?'
+        a2 = greedy(pipe, [{'role': 'user', 'content': q1}, {'role': 'assistant', 'content': a1},
+                           {'role': 'user', 'content': q2}], 32)
+        page.send(q2)
+        page.wait_answer(a2)
+        assert page.texts('user') == [q1, q2]
+        page.page.context.close()
+    finally:
+        demo.close()
