@@ -169,6 +169,19 @@ class Tokenizer:
         (which cannot be done incrementally)."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_prefix(self, ids: Sequence[int], skip_special_tokens: bool = True, final: bool = False) -> str:
+        """The text a stream whose generated ids so far are ``ids`` has shown: ``decode`` with a
+        trailing incomplete UTF-8 character held back unless ``final``.
+
+        A function of ``ids`` alone, so a stateless process (Triton's ``postprocessing``) can turn
+        each response into a text increment: ``decode_prefix(ids)[len(decode_prefix(prev_ids)):]``.
+        The increments join to what ``detokenize_incrementally`` gives for the same stream.
+        """
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._skip_ids]
+        text = self._decode_window(ids)
+        return text if final else text.rstrip(_REPLACEMENT_CHAR)
+
     def _decode_window(self, ids: Sequence[int]) -> str:
         # ids here were already filtered of skipped tokens
         return self._backend.decode(list(ids), skip_special_tokens=False)

@@ -12,3 +12,13 @@ def smollm2_dir() -> str:
     """The embedded SmolLM2-135M-Instruct as an HF directory (converted once from its GGUF)."""
     from lmd.model_path import prepare_model_dir
     return prepare_model_dir('smollm2')
+
+
+@pytest.fixture(scope='session')
+def triton_server(tmp_path_factory):
+    """One tritonserver for the session serving lmd's five models for SmolLM2 (see triton_utils)."""
+    from triton_utils import build_smollm2_repository, start_triton
+    out = str(tmp_path_factory.mktemp('triton'))
+    server = start_triton(build_smollm2_repository(out), out)
+    yield server
+    server.stop()

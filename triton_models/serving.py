@@ -1,0 +1,253 @@
+"""The Python-backend models of lmd's Triton repository.
+
+Each ``<model>/1/model.py`` of a repository written by ``lmd serve triton`` imports
+its ``TritonPythonModel`` from here. This module runs inside Triton's Python
+backend stub, where ``triton_python_backend_utils`` is importable.
+
+``EngineModel`` and ``LmdModel`` host one AsyncEngine for every request to the
+model. Its event loop runs in a thread of its own: ``execute`` only checks a
+request's inputs and hands it to the loop, which streams responses through the
+request's response sender as the engine produces them (the models are
+decoupled). A request whose client has gone away is cancelled there, which
+aborts it in the engine and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from . import common
+from .common import InputError
+
+logger = logging.getLogger('lmd.triton')
+
+# How often a generating request asks Triton whether its client is still there.
+CANCEL_POLL_SECONDS = 0.1
+
+
+def _get(request):
+    def get(name: str):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy()
+    return get
+
+
+def _text_tensor(name: str, values: list[str]) -> 'pb_utils.Tensor':
+    return pb_utils.Tensor(name, np.array([v.encode() for v in values], dtype=np.object_))
+
+
+def _int_tensor(name: str, values) -> 'pb_utils.Tensor':
+    return pb_utils.Tensor(name, np.asarray(values, dtype=np.int32).reshape(-1))
+
+
+def _error(message: str, code=None) -> 'pb_utils.InferenceResponse':
+    code = pb_utils.TritonError.INVALID_ARG if code is None else code
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+# ---- preprocessing / postprocessing: stateless, one response per request ----------------------
+
+class PreprocessingModel:
+    """``prompt`` (+ ``sequence_start``) -> ``input_ids``, ``input_length``: chat template and tokenizer."""
+
+    def initialize(self, args):
+        params = common.parameters(json.loads(args['model_config']))
+        self.tokenizer, self.template = common.load_text_side(params)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                values = common.read_inputs(_get(request), {'prompt': 'text', 'sequence_start': 'bool'})
+                ids = common.prompt_ids(self.tokenizer, self.template, values['prompt'],
+                                        values.get('sequence_start', True))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    _int_tensor('input_ids', ids), _int_tensor('input_length', [len(ids)])]))
+            except (InputError, ValueError) as e:
+                responses.append(_error(str(e)))
+        return responses
+
+
+class PostprocessingModel:
+    """``output_ids`` (all generated so far), ``prev_length``, ``finish_reason`` -> ``text`` (the new text)."""
+
+    def initialize(self, args):
+        params = common.parameters(json.loads(args['model_config']))
+        self.tokenizer, _ = common.load_text_side(params)
+
+    def execute(self, requests):
+        responses = []
+        spec = {'output_ids': 'ids', 'prev_length': 'int', 'finish_reason': 'text', 'stop_words': 'texts'}
+        for request in requests:
+            try:
+                values = common.read_inputs(_get(request), spec)
+                reason = values.get('finish_reason', '')
+                text = common.text_increment(self.tokenizer, values.get('output_ids', []),
+                                             values.get('prev_length', 0), final=bool(reason),
+                                             stop_words=values.get('stop_words') or ())
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    _text_tensor('text', [text]), _text_tensor('finish_reason', [reason])]))
+            except (InputError, ValueError) as e:
+                responses.append(_error(str(e)))
+        return responses
+
+
+# ---- models that host an engine -----------------------------------------------------------------
+
+class _EngineHost:
+    """One AsyncEngine and the event loop that drives it, shared by all requests to the model."""
+
+    prompt_spec: dict[str, str]
+
+    def initialize(self, args):
+        from lmd.async_engine import AsyncEngine
+        config = json.loads(args['model_config'])
+        self.model_name = config.get('name', args.get('model_name', ''))
+        settings = common.EngineSettings.from_parameters(common.parameters(config))
+        self.engine = AsyncEngine(settings.model_path, backend=settings.backend,
+                                  backend_config=settings.backend_config(),
+                                  chat_template_config=settings.chat_template_config())
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f'lmd-{self.model_name}', daemon=True)
+        self.thread.start()
+        self.tasks: set[asyncio.Future] = set()
+        labels = {'model': self.model_name}
+        prompt = pb_utils.MetricFamily(name='lmd_prompt_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
+                                       description='Prompt tokens of finished requests (kept session history '
+                                                   'included)')
+        cached = pb_utils.MetricFamily(name='lmd_cached_prompt_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
+                                       description='Prompt tokens whose KV came from the cache: a kept session '
+                                                   'or the prefix cache')
+        generated = pb_utils.MetricFamily(name='lmd_generation_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
+                                          description='Tokens generated')
+        self._families = (prompt, cached, generated)  # a metric lives as long as its family
+        self.prompt_tokens = prompt.Metric(labels=labels)
+        self.cached_tokens = cached.Metric(labels=labels)
+        self.generated_tokens = generated.Metric(labels=labels)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self.prepare(request)
+            except (InputError, ValueError) as e:
+                sender.send(_error(str(e)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            fut = asyncio.run_coroutine_threadsafe(self._serve(sender, job), self.loop)
+            self.tasks.add(fut)
+            fut.add_done_callback(self.tasks.discard)
+        return None
+
+    def prepare(self, request) -> dict[str, Any]:
+        """The request's inputs, checked: everything ``generate`` needs."""
+        values = common.read_inputs(_get(request), {**self.prompt_spec, **common.SAMPLING_INPUTS,
+                                                    **common.SESSION_INPUTS})
+        sid, start, end = common.session_of(values)
+        return dict(values=values, gen=common.generation_config(values), session_id=sid,
+                    sequence_start=start, sequence_end=end)
+
+    def input_ids(self, job: dict) -> list[int]:
+        raise NotImplementedError
+
+    def outputs(self, job: dict, response, final: bool) -> list:
+        raise NotImplementedError
+
+    async def _serve(self, sender, job: dict) -> None:
+        task = asyncio.current_task()
+        watch = asyncio.ensure_future(self._watch(sender, task))
+        try:
+            await self._stream(sender, job)
+        except asyncio.CancelledError:  # the client went away: generate() aborted the request
+            self._send_final(sender, None)
+        except (InputError, ValueError) as e:
+            self._send_final(sender, _error(str(e)))
+        except Exception as e:  # noqa: BLE001  the model keeps serving everyone else
+            logger.exception('request failed')
+            self._send_final(sender, _error(f'{type(e).__name__}: {e}', pb_utils.TritonError.INTERNAL))
+        finally:
+            watch.cancel()
+
+    async def _stream(self, sender, job: dict) -> None:
+        ids = self.input_ids(job)
+        final_sent = False
+        async for r in self.engine.generate(None, job['session_id'], job['gen'], input_ids=ids,
+                                            sequence_start=job['sequence_start'],
+                                            sequence_end=job['sequence_end']):
+            final = r.finish_reason is not None
+            if final:
+                self.prompt_tokens.increment(r.input_token_len)
+                self.cached_tokens.increment(r.num_cached_tokens)
+                self.generated_tokens.increment(r.generate_token_len)
+            response = pb_utils.InferenceResponse(output_tensors=self.outputs(job, r, final))
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            final_sent = final
+        if not final_sent:
+            self._send_final(sender, None)
+
+    @staticmethod
+    def _send_final(sender, response) -> None:
+        try:
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001  the stream is gone already
+            pass
+
+    @staticmethod
+    async def _watch(sender, task: asyncio.Task) -> None:
+        while not task.done():
+            await asyncio.sleep(CANCEL_POLL_SECONDS)
+            if sender.is_cancelled():
+                task.cancel()
+                return
+
+    def finalize(self):
+        for fut in list(self.tasks):
+            fut.cancel()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.engine.close()
+
+
+class EngineModel(_EngineHost):
+    """``input_ids`` (+ sampling and session inputs) -> streamed ``output_ids`` (all generated so far),
+    ``prev_length`` (how many of them earlier responses carried), ``finish_reason``,
+    ``prompt_tokens``, ``cached_tokens``, and the request's ``stop_words`` for postprocessing."""
+
+    prompt_spec = {'input_ids': 'ids'}
+
+    def prepare(self, request):
+        job = super().prepare(request)
+        if not job['values'].get('input_ids') and job['sequence_start']:
+            raise InputError("input 'input_ids' is empty")
+        job['output_ids'] = []
+        return job
+
+    def input_ids(self, job):
+        return job['values']['input_ids']
+
+    def outputs(self, job, r, final):
+        ids = job['output_ids']
+        prev = len(ids)
+        ids.extend(r.token_ids)
+        return [_int_tensor('output_ids', ids), _int_tensor('prev_length', [prev]),
+                _text_tensor('finish_reason', [r.finish_reason or '']),
+                _int_tensor('prompt_tokens', [r.input_token_len]), _int_tensor('cached_tokens', [r.num_cached_tokens]),
+                _text_tensor('stop_words', job['values'].get('stop_words') or [])]
+
+
+class LmdModel(_EngineHost):
+    """The whole pipeline in one model: ``prompt`` (+ sampling and session inputs) -> streamed ``text``."""
+
+    prompt_spec = {'prompt': 'text'}
+
+    def input_ids(self, job):
+        e = self.engine
+        return common.prompt_ids(e.tokenizer, e.chat_template, job['values']['prompt'], job['sequence_start'])
+
+    def outputs(self, job, r, final):
+        return [_text_tensor('text', [r.text]), _text_tensor('finish_reason', [r.finish_reason or ''])]
