@@ -52,6 +52,7 @@ from prompts import parse_range, resolve_model_dir
 
 PATHS = ('api_server', 'ensemble', 'lmd_model')
 TRITON_PATHS = ('ensemble', 'lmd_model')
+PATH_MODELS = {'ensemble': ('preprocessing', 'engine', 'postprocessing'), 'lmd_model': ('lmd_model',)}
 TARGET_RATIO = 0.90  # the issue: the Triton paths within 10% of the api_server's output tokens/s
 # re-tokenized text vs max_tokens: adjacent generated pieces can merge into one token when encoded again
 RETOKENIZE_SLACK = (2, 0.05)  # allowed |difference|: at least 2 tokens, or 5% of max_tokens
@@ -197,9 +198,10 @@ def bench_api_server(args, requests, warmup, model_dir: str, log_dir: str) -> di
     return {'server': 'api_server', 'path': 'api_server', 'kind': 'lmd', 'base_url': server.base_url, **info, **r}
 
 
-def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=None) -> dict:
+def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=None, peak_rss=None) -> dict:
     """Warm ``path`` up, then time ``requests`` on it; ``load(requests)`` returns (results, seconds).
-    With ``tokenizer`` (Triton: text only) the output tokens are counted by ``count_tokens``."""
+    With ``tokenizer`` (Triton: text only) the output tokens are counted by ``count_tokens``. Server CPU
+    covers ``pid``'s process tree; ``peak_rss()`` (default: that whole tree's) the memory."""
     out = {}
     try:
         if warmup:
@@ -217,7 +219,7 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
         out['client_cpu_utilization'] = round((time.process_time() - client0) / duration, 3)
         if pid:
             out['server_cpu_utilization'] = round((rest.tree_cpu_seconds(pid) - cpu0) / duration, 2)
-            out['server_peak_rss_mib'] = rest.tree_peak_rss_mib(pid)
+            out['server_peak_rss_mib'] = peak_rss() if peak_rss else rest.tree_peak_rss_mib(pid)
         out['load_average'] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         out['texts'] = {r.index: r.text for r in results if r.ok}
         out['sample_text'] = {r.index: r.text[:160] for r in results[:3] if r.ok}
@@ -226,6 +228,32 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
     except Exception as e:  # noqa: BLE001  (one path's failure is its block's error; the others still run)
         out['error'] = f'{path}: {type(e).__name__}: {e}'
     return out
+
+
+def stub_model(pid: int) -> str | None:
+    """The Triton model a Python-backend stub process serves (its argv[1] is REPO/MODEL/VERSION/model.py)."""
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            argv = f.read().decode(errors='replace').split('\0')
+    except OSError:
+        return None
+    if len(argv) < 2 or not argv[0].endswith('triton_python_backend_stub'):
+        return None
+    return os.path.basename(os.path.dirname(os.path.dirname(argv[1])))
+
+
+def triton_path_peak_rss_mib(pid: int, path: str) -> float:
+    """Peak RSS of tritonserver itself plus the stubs of ``path``'s models: the other path's models share the
+    server but sit idle, and the api_server holds one engine, not two."""
+    pids = [pid] + [p for p in rest.process_tree(pid)[1:] if stub_model(p) in PATH_MODELS[path]]
+    total = 0
+    for p in pids:
+        try:
+            with open(f'/proc/{p}/status') as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
+        except (OSError, StopIteration):
+            pass
+    return round(total / 1024, 1)
 
 
 def build_triton_repository(args, repo: str) -> None:
@@ -272,7 +300,8 @@ def bench_triton(args, requests, warmup, log_dir: str, tokenizer):
         for p in paths:
             r = {'server': p, 'path': p, 'kind': 'triton', 'base_url': url, 'weights': weights,
                  **bench_path(p, lambda reqs, p=p: asyncio.run(run_triton_load(url, p, reqs, args.concurrency)),
-                              pid, requests, warmup, tokenizer)}
+                              pid, requests, warmup, tokenizer,
+                              peak_rss=(lambda p=p: triton_path_peak_rss_mib(pid, p)) if pid else None)}
             if startup is not None:
                 r['startup_s'] = startup  # build + start, shared by the Triton paths
             if server is not None:
