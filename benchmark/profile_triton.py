@@ -23,8 +23,9 @@ Counting output tokens: the api_server reports ``usage.completion_tokens``;
 Triton returns text only, so a Triton request counts ``max_tokens`` when it
 finished with ``length`` (anything else is a mismatch), and the text is
 re-tokenized with the model's tokenizer as a check that it is about that long
-(``retokenized`` in the token check; a merge of adjacent pieces can shift the
-count by a token or two, so the api_server's text goes through the same check).
+(``retokenized`` in the token check: adjacent pieces can merge when encoded
+again, so a few tokens fewer pass; the api_server's answers go through the same
+count as a calibration, and every answer is compared with the api_server's).
 
 Per path: TTFT (sent -> first response with text), TPOT, ITL, end-to-end, output
 tokens/s over the run's wall time, mean / P50 / P99 (profile_restful_api's
@@ -54,8 +55,11 @@ PATHS = ('api_server', 'ensemble', 'lmd_model')
 TRITON_PATHS = ('ensemble', 'lmd_model')
 PATH_MODELS = {'ensemble': ('preprocessing', 'engine', 'postprocessing'), 'lmd_model': ('lmd_model',)}
 TARGET_RATIO = 0.90  # the issue: the Triton paths within 10% of the api_server's output tokens/s
-# re-tokenized text vs max_tokens: adjacent generated pieces can merge into one token when encoded again
-RETOKENIZE_SLACK = (2, 0.05)  # allowed |difference|: at least 2 tokens, or 5% of max_tokens
+# Re-encoding an answer's text can give fewer tokens than were generated (adjacent pieces, e.g. runs of
+# spaces in code, merge into one token; seen: 36 for 41, with the api_server's usage saying 41), rarely more.
+# Allowed differences, each at least N tokens or the fraction of max_tokens:
+RETOKENIZE_BELOW = (4, 0.25)
+RETOKENIZE_ABOVE = (2, 0.05)
 
 
 # ---- Triton client ---------------------------------------------------------------------------------
@@ -151,14 +155,15 @@ def count_tokens(results: list[TritonResult], requests: list[rest.Request], toke
 
 
 def retokenize_check(requests: list[rest.Request], texts: dict[int, str], tokenizer) -> dict:
-    """How far each answer's re-encoded length is from max_tokens; ``ok`` when all are within the slack."""
-    lo, frac = RETOKENIZE_SLACK
+    """How far each answer's re-encoded length is from max_tokens; ``ok`` when all are within
+    RETOKENIZE_BELOW / RETOKENIZE_ABOVE (too short: tokens went missing; too long: text was repeated)."""
     diffs, outside = [], []
     for index, text in sorted(texts.items()):
         asked = requests[index].output_len
         d = len(tokenizer.encode(text, add_special_tokens=False).ids) - asked
         diffs.append(d)
-        if abs(d) > max(lo, frac * asked):
+        n, frac = RETOKENIZE_BELOW if d < 0 else RETOKENIZE_ABOVE
+        if abs(d) > max(n, frac * asked):
             outside.append({'request': index, 'asked': asked, 'retokenized': asked + d})
     return {'checked': len(diffs), 'minus_asked': {'min': min(diffs), 'max': max(diffs)} if diffs else None,
             'outside_slack': len(outside), 'examples': outside[:5], 'ok': bool(diffs) and not outside}
@@ -316,13 +321,14 @@ def bench_triton(args, requests, warmup, log_dir: str, tokenizer):
 
 
 def add_checks(r: dict, requests: list[rest.Request], tokenizer, ref_texts: dict | None) -> None:
-    """The re-tokenized length of every answer of path ``r``, and how many of its answers equal the
-    api_server's (greedy, same prompts: a different answer hints at another template or float noise)."""
+    """The re-tokenized length of every answer of path ``r`` (a Triton path's check; on the api_server,
+    whose usage counts exactly, the calibration), and how many of its answers equal the api_server's
+    (greedy, same prompts: a different answer hints at another template, or float noise)."""
     texts = r.get('texts')
     if not texts:
         return
     r['token_check']['retokenized'] = retokenize_check(requests, texts, tokenizer)
-    if not r['token_check']['retokenized']['ok']:
+    if r['path'] in TRITON_PATHS and not r['token_check']['retokenized']['ok']:
         r['token_check']['ok'] = False
     if ref_texts is not None and r['path'] != 'api_server':
         same = sum(texts.get(i) == t for i, t in ref_texts.items())
