@@ -92,16 +92,16 @@ def decode_first(result, name: str) -> str:
     return '' if arr is None or arr.size == 0 else arr.reshape(-1)[0].decode('utf-8', errors='replace')
 
 
-async def send_triton(client, model: str, req: rest.Request, res: TritonResult) -> None:
-    """One request on its own gRPC stream; fills ``res`` (never raises). The response whose
-    ``finish_reason`` is set is the last: its arrival ends the request."""
+async def send_triton(client, model: str, req: rest.Request, res: TritonResult, timeout: float | None = None) -> None:
+    """One request on its own gRPC stream, closed after ``timeout`` seconds; fills ``res`` (never raises).
+    The response whose ``finish_reason`` is set is the last: its arrival ends the request."""
     async def one_request():
         yield {'model_name': model, 'inputs': triton_inputs(req), 'request_id': f'bench-{req.index}'}
 
     res.start = time.perf_counter()
     stream = None
     try:
-        stream = client.stream_infer(one_request())
+        stream = client.stream_infer(one_request(), stream_timeout=timeout)
         async for result, error in stream:
             now = time.perf_counter()
             if error is not None:
@@ -115,7 +115,7 @@ async def send_triton(client, model: str, req: rest.Request, res: TritonResult) 
             if reason and res.finish_reason is None:
                 res.finish_reason, res.end = reason, now
     except Exception as e:  # noqa: BLE001  (a dropped stream fails the request, not the run)
-        res.error = f'{model}: {type(e).__name__}: {e}'
+        res.error = f'{model}: {describe_error(e)}'
     finally:
         if res.error is not None and stream is not None:
             stream.cancel()
@@ -126,9 +126,17 @@ async def send_triton(client, model: str, req: rest.Request, res: TritonResult) 
         res.error = f'{model}: the stream carried no text'
 
 
-async def run_triton_load(url: str, model: str, requests: list[rest.Request],
-                          concurrency: int) -> tuple[list[TritonResult], float]:
-    """Send ``requests`` with at most ``concurrency`` in flight (0: all at once) over one channel."""
+def describe_error(e: Exception) -> str:
+    """One line for a failed stream: a gRPC error's status and details, else the exception."""
+    if callable(getattr(e, 'code', None)) and callable(getattr(e, 'details', None)):
+        return f'gRPC {e.code().name}: {e.details()}'
+    return f'{type(e).__name__}: {e}'
+
+
+async def run_triton_load(url: str, model: str, requests: list[rest.Request], concurrency: int,
+                          timeout: float | None = None) -> tuple[list[TritonResult], float]:
+    """Send ``requests`` with at most ``concurrency`` in flight (0: all at once) over one channel;
+    a request still streaming after ``timeout`` seconds fails."""
     import tritonclient.grpc.aio as grpcclient
     sem = asyncio.Semaphore(concurrency or len(requests))
     results = [TritonResult(r.index) for r in requests]
@@ -136,7 +144,7 @@ async def run_triton_load(url: str, model: str, requests: list[rest.Request],
     try:
         async def one(req: rest.Request, res: TritonResult):
             async with sem:
-                await send_triton(client, model, req, res)
+                await send_triton(client, model, req, res, timeout)
         t0 = time.perf_counter()
         await asyncio.gather(*(one(req, res) for req, res in zip(requests, results)))
     finally:
@@ -304,7 +312,8 @@ def bench_triton(args, requests, warmup, log_dir: str, tokenizer):
     try:
         for p in paths:
             r = {'server': p, 'path': p, 'kind': 'triton', 'base_url': url, 'weights': weights,
-                 **bench_path(p, lambda reqs, p=p: asyncio.run(run_triton_load(url, p, reqs, args.concurrency)),
+                 **bench_path(p, lambda reqs, p=p: asyncio.run(run_triton_load(url, p, reqs, args.concurrency,
+                                                                               args.request_timeout)),
                               pid, requests, warmup, tokenizer,
                               peak_rss=(lambda p=p: triton_path_peak_rss_mib(pid, p)) if pid else None)}
             if startup is not None:

@@ -130,6 +130,19 @@ def test_answers_are_compared_with_the_api_servers(tokenizer):
                                        f'{"same answer as api_server":<34}1 of 2']
 
 
+def test_an_unreachable_triton_fails_its_paths_with_the_reason(tmp_path, capsys):
+    url = f'127.0.0.1:{rest.free_port()}'  # nothing listens there
+    out = tmp_path / 'r.json'
+    rc = bench.main(['--paths', 'ensemble,lmd_model', '--quick', '--triton-url', url, '--json', str(out)])
+    assert rc == 2
+    results = json.loads(out.read_text())['results']
+    assert [r['path'] for r in results] == ['ensemble', 'lmd_model']
+    for r in results:
+        assert r['error'].startswith(f'{r["path"]}: RuntimeError: warmup failed: {r["path"]}: gRPC UNAVAILABLE')
+        assert url in r['error']
+    assert capsys.readouterr().out.count('FAILED:') == 2
+
+
 def test_every_path_generates_exactly_what_was_asked(tmp_path, capsys):
     """A real api_server and a real tritonserver (repository from lmd.serve.triton.build_repository),
     started by the benchmark itself: every path completes every request with exactly max_tokens, every
