@@ -274,7 +274,8 @@ def build_triton_repository(args, repo: str) -> None:
     flags = {'max_batch_size': args.max_batch_size}
     if args.model_format:
         flags['model_format'] = args.model_format
-    build_repository(args.model, repo, backend=args.backend, **flags)
+    build_repository(args.model, repo, backend=args.backend, postprocessing_instances=args.postprocessing_instances,
+                     **flags)
 
 
 def start_triton(args, log_dir: str):
@@ -397,6 +398,8 @@ def parse_args(argv=None):
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--model', default='smollm2', help='the model every path serves; its tokenizer makes the prompts')
     p.add_argument('--max-batch-size', type=int, default=16, help="the engine's max_batch_size on every path")
+    p.add_argument('--postprocessing-instances', type=int, default=1,
+                   help="instances of the ensemble's postprocessing model (build_repository's postprocessing_instances)")
     p.add_argument('--triton-url', default=None, metavar='HOST:GRPC_PORT',
                    help='measure a tritonserver already running (its repository from lmd serve triton) instead of '
                         'building and starting one')
@@ -420,6 +423,8 @@ def parse_args(argv=None):
         p.error(f'--concurrency must be >= 0 (0: no limit), got {args.concurrency}')
     if args.max_batch_size < 1:
         p.error(f'--max-batch-size must be >= 1, got {args.max_batch_size}')
+    if args.postprocessing_instances < 1:
+        p.error(f'--postprocessing-instances must be >= 1, got {args.postprocessing_instances}')
     args.path_list = [s.strip() for s in args.paths.split(',') if s.strip()]
     bad = [s for s in args.path_list if s not in PATHS]
     if bad or not args.path_list:
@@ -455,6 +460,7 @@ def main(argv=None) -> int:
     report = {'benchmark': 'profile_triton', 'argv': sys.argv[1:] if argv is None else argv,
               'paths': args.path_list, 'backend': args.backend, 'model': args.model,
               'concurrency': args.concurrency, 'max_batch_size': args.max_batch_size,
+              'postprocessing_instances': args.postprocessing_instances,
               'sampling': 'greedy (temperature 0), ignore_eos, max_tokens = output length',
               'workload': wl, 'cpu_count': os.cpu_count(), 'log_dir': log_dir, 'results': results,
               'markdown_table': table, 'target': tgt}

@@ -33,6 +33,7 @@ def tokenizer(model_dir):
     (['--input-len', '10,5'], '1 <= LO <= HI'),
     (['--concurrency', '-1'], '--concurrency must be >= 0'),
     (['--backend', 'vllm'], "invalid choice: 'vllm'"),
+    (['--postprocessing-instances', '0'], '--postprocessing-instances must be >= 1'),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
