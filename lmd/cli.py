@@ -124,7 +124,8 @@ class Lite:
 
 
 class Serve:
-    """lmd serve: put a model behind a server. Subcommands: api_server, proxy, gradio, api_client."""
+    """lmd serve: put a model behind a server. Subcommands: api_server, proxy, gradio, api_client, triton,
+    triton_client."""
 
     def api_server(self, model_path: str | None = None, backend: str | None = None, server_name: str = '0.0.0.0',
                    server_port: int = 23333, api_keys=None, model_name: str | None = None,
@@ -261,6 +262,59 @@ class Serve:
         from lmd.serve.api_client import run_api_client
         run_api_client(api_server_url, api_key=api_key, model=model, system=system, temperature=temperature,
                        top_p=top_p, max_tokens=max_tokens)
+
+    def triton(self, model_path: str | None = None, model_repository: str = 'triton_repository',
+               backend: str = 'turbomind', models: str = 'preprocessing,engine,postprocessing,ensemble,lmd_model',
+               chat_template: str | None = None, launch: bool = False, server_name: str = '127.0.0.1',
+               http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+               postprocessing_instances: int = 1, session_len: int | None = None,
+               max_batch_size: int | None = None, cache_max_entry_count: float | None = None,
+               cache_block_seq_len: int | None = None, enable_prefix_caching: bool = False,
+               quant_policy: int = 0, model_format: str | None = None, dtype: str = 'auto',
+               num_threads: int | None = None, device: str | None = None):
+        """Write a Triton Inference Server model repository for a model; --launch also runs tritonserver on it.
+
+        The repository holds ensemble (preprocessing -> engine -> postprocessing) and lmd_model (the whole
+        pipeline in one model); both take a prompt and stream text over gRPC (see `lmd serve triton_client`).
+        config.pbtxt files point at the model; nothing is copied. tritonserver comes from
+        pip install "lmd[triton]".
+
+        Args:
+            model_path: an HF model directory, a .gguf file, an AWQ/W8A8 directory, or 'smollm2' (the default).
+            model_repository: the folder to write (other models in it are left alone).
+            backend: the engine the models host: 'turbomind' or 'pytorch'.
+            models: which models to write, separated by commas (ensemble brings its three steps).
+            chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) instead of the model's.
+            launch: start tritonserver on the repository and serve until Ctrl-C.
+            server_name: the address tritonserver listens on, with --launch.
+            http_port: tritonserver's HTTP port, with --launch.
+            grpc_port: tritonserver's gRPC port, with --launch.
+            metrics_port: tritonserver's Prometheus metrics port, with --launch.
+            postprocessing_instances: instances of the postprocessing model (detokenization).
+            session_len: the longest context in tokens (default: the model's, at most 8192).
+            max_batch_size: requests the engine runs at once.
+            cache_max_entry_count: the fraction of free memory the KV cache may take.
+            cache_block_seq_len: tokens per KV cache block.
+            enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+            quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
+            model_format: hf, awq, w8a8 or gguf (default: from the model).
+            dtype: auto, float32, bfloat16 or float16.
+            num_threads: CPU threads for the engine (default: all cores).
+            device: cpu or cuda (cuda puts the engine models in KIND_GPU instances).
+        """
+        from lmd.serve.triton import serve_triton
+        fields = dict(session_len=session_len, max_batch_size=max_batch_size,
+                      cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
+                      enable_prefix_caching=enable_prefix_caching or None, quant_policy=quant_policy or None,
+                      model_format=model_format, dtype=None if dtype == 'auto' else dtype,
+                      num_threads=num_threads, device=device)
+        rc = serve_triton(model_path, model_repository, backend=backend, models=models,
+                            chat_template=chat_template, launch=launch, server_name=server_name,
+                            http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                            postprocessing_instances=postprocessing_instances, **fields)
+        if rc:
+            sys.exit(rc)
+
 
 class CLI:
     """lmd: LLM inference and serving. Subcommands: chat, convert, lite, serve. Add --help to any of them."""

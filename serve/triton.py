@@ -63,9 +63,10 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
         'kind': 'KIND_GPU' if str(config.device).startswith('cuda') else 'KIND_CPU',
         'postprocessing_instances': str(postprocessing_instances),
     }
+    names = _models_to_write(models)
     src = _template_dir()
     os.makedirs(model_repository, exist_ok=True)
-    for name in _models_to_write(models):
+    for name in names:
         out = os.path.join(model_repository, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(os.path.join(out, '1'))

@@ -186,18 +186,15 @@ _PAST_USER, _PAST_ANSWER = '\x00user\x00', '\x00answer\x00'
 
 def continuation_text(template: ChatTemplate, messages: list[dict]) -> str:
     """The text that continues a kept session with ``messages``: what the template writes after an
-    assistant answer and its stop word (which the engine already holds) up to the next generation prompt.
+    assistant answer up to the next generation prompt. It starts with the answer's end (``<|im_end|>``),
+    which the engine already holds when the answer stopped on it; the engine model drops it then.
     """
     past = [{'role': 'user', 'content': _PAST_USER}, {'role': 'assistant', 'content': _PAST_ANSWER}]
     full = template.render(past + messages, add_generation_prompt=True)
     at = full.find(_PAST_ANSWER)
     if at < 0:
         raise ValueError('the chat template does not write past answers; it cannot continue a session')
-    rest = full[at + len(_PAST_ANSWER):]
-    for word in template.stop_words:  # the engine stopped on it, so the session ends with it
-        if word and rest.startswith(word):
-            return rest[len(word):]
-    return rest
+    return full[at + len(_PAST_ANSWER):]
 
 
 def prompt_ids(tokenizer: Tokenizer, template: ChatTemplate, prompt: str, sequence_start: bool = True) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -29,6 +30,14 @@ logger = logging.getLogger('lmd.triton')
 
 # How often a generating request asks Triton whether its client is still there.
 CANCEL_POLL_SECONDS = 0.1
+# How often the engine's gauges are refreshed on Triton's metrics endpoint.
+STATS_SECONDS = 0.5
+STATS_GAUGES = {
+    'lmd_num_requests_running': 'Requests the engine is running',
+    'lmd_num_requests_waiting': 'Requests waiting for the engine',
+    'lmd_kv_cache_usage_perc': 'Fraction of KV cache blocks held by requests (1 = full)',
+    'lmd_prefix_cache_hit_tokens': 'Prompt tokens served from the prefix cache since the start',
+}
 
 
 def _get(request):
@@ -117,6 +126,7 @@ class _EngineHost:
         self.thread = threading.Thread(target=self.loop.run_forever, name=f'lmd-{self.model_name}', daemon=True)
         self.thread.start()
         self.tasks: set[asyncio.Future] = set()
+        self.session_tails: dict[int, int] = {}  # kept session -> the last token the engine holds for it
         labels = {'model': self.model_name}
         prompt = pb_utils.MetricFamily(name='lmd_prompt_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
                                        description='Prompt tokens of finished requests (kept session history '
@@ -126,10 +136,14 @@ class _EngineHost:
                                                    'or the prefix cache')
         generated = pb_utils.MetricFamily(name='lmd_generation_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
                                           description='Tokens generated')
-        self._families = (prompt, cached, generated)  # a metric lives as long as its family
         self.prompt_tokens = prompt.Metric(labels=labels)
         self.cached_tokens = cached.Metric(labels=labels)
         self.generated_tokens = generated.Metric(labels=labels)
+        gauges = {name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
+                  for name, text in STATS_GAUGES.items()}
+        self._families = (prompt, cached, generated, *gauges.values())  # a metric lives as long as its family
+        self.gauges = {name: family.Metric(labels=labels) for name, family in gauges.items()}
+        asyncio.run_coroutine_threadsafe(self._publish_stats(), self.loop)
 
     def execute(self, requests):
         for request in requests:
@@ -173,12 +187,22 @@ class _EngineHost:
         finally:
             watch.cancel()
 
+    def _continue_session(self, job: dict, ids: list[int]) -> list[int]:
+        """A next turn's ids start by closing the last answer (``<|im_end|>``...); when that answer
+        stopped on that very token, the engine holds it already."""
+        tail = self.session_tails.pop(job['session_id'], None)
+        if not job['sequence_start'] and ids and ids[0] == tail and tail in self.engine.eos_token_ids:
+            return ids[1:]
+        return ids
+
     async def _stream(self, sender, job: dict) -> None:
-        ids = self.input_ids(job)
+        sid, keep = job['session_id'], not job['sequence_end']
+        ids = self._continue_session(job, self.input_ids(job))
+        held: list[int] | None = [] if keep else None  # what the engine appends to a kept session
         final_sent = False
-        async for r in self.engine.generate(None, job['session_id'], job['gen'], input_ids=ids,
+        async for r in self.engine.generate(None, sid, job['gen'], input_ids=ids,
                                             sequence_start=job['sequence_start'],
-                                            sequence_end=job['sequence_end']):
+                                            sequence_end=job['sequence_end'], engine_ids=held):
             final = r.finish_reason is not None
             if final:
                 self.prompt_tokens.increment(r.input_token_len)
@@ -189,6 +213,25 @@ class _EngineHost:
             final_sent = final
         if not final_sent:
             self._send_final(sender, None)
+        if held:
+            self.session_tails[sid] = held[-1]
+
+    async def _publish_stats(self) -> None:
+        """The engine's gauges, refreshed for Triton's metrics endpoint. Also watches for the server's end:
+        a stub whose tritonserver died (or gave up waiting at exit) would otherwise keep its engine
+        threads, and a request they were generating, alive."""
+        parent = os.getppid()
+        while True:
+            if os.getppid() != parent:
+                logger.error('tritonserver is gone: stopping this model process')
+                os._exit(1)
+            st = self.engine.engine.stats()
+            values = {'lmd_num_requests_running': st.num_running, 'lmd_num_requests_waiting': st.num_waiting,
+                      'lmd_kv_cache_usage_perc': st.kv_usage,
+                      'lmd_prefix_cache_hit_tokens': st.num_prefix_hit_tokens}
+            for name, value in values.items():
+                self.gauges[name].set(float(value))
+            await asyncio.sleep(STATS_SECONDS)
 
     @staticmethod
     def _send_final(sender, response) -> None:
