@@ -211,53 +211,77 @@ class TritonChat(ChatClient):
     """lmd's ``ensemble`` or ``lmd_model`` on a Triton server; a conversation is one of its sessions.
 
     A turn sends only the new message into the session. A changed system prompt, or a turn cut short
-    (Stop), leaves the session out of step with the history: the next turn ends it and replays the
-    history into a fresh one.
+    (Stop, an error), leaves the session out of step with the history: the next turn ends it and
+    replays the history into a fresh one.
     """
 
     def __init__(self, address: str):
         from .triton_client import TritonChatClient
         self.client = TritonChatClient(address)
         self.description = f'{self.client.model} on Triton at {self.client.address}'
-        self._ending: set[asyncio.Future] = set()  # end_conversation's requests still on their way
+        self.conversations: dict[int, Any] = {}  # id(conv) -> conv, every conversation not yet ended
+        self._ending: set = set()  # end_conversation's requests still on their way
 
     def new_conversation(self):
         from .triton_client import Conversation
-        return Conversation()
+        conv = Conversation()
+        self.conversations[id(conv)] = conv
+        return conv
 
     async def stream(self, conv, message, system, settings):
         from .triton_client import TritonClientError, chat_turn
+        self.conversations[id(conv)] = conv
         messages = with_system(conv.messages, system)
         if messages != conv.messages:  # the server's session holds the old system prompt
             conv.messages = messages
             conv.restart()
+        turn = chat_turn(self.client, conv, message, max_tokens=int(settings.max_new_tokens),
+                         temperature=float(settings.temperature), top_p=float(settings.top_p))
         try:
-            async for text, _ in chat_turn(self.client, conv, message, max_tokens=int(settings.max_new_tokens),
-                                           temperature=float(settings.temperature), top_p=float(settings.top_p)):
-                if text:
-                    yield text
+            async with aclosing(turn) as pieces:  # Stop closes this generator, and so the gRPC stream
+                async for text, _ in pieces:
+                    if text:
+                        yield text
         except TritonClientError as e:
             raise ConnectionError(str(e)) from None
 
     def end_conversation(self, conv):
         """Ends the conversation's sessions in the background: Gradio calls this from its event loop
         (Clear) or from a thread (a closed tab), and neither should wait for the server."""
-        import copy
-
-        from .triton_client import end_conversation
-        held = copy.copy(conv)
-        conv.messages, conv.session_id, conv.stale_session = [], None, None
-        if held.session_id is None and held.stale_session is None:
+        import concurrent.futures
+        self.conversations.pop(id(conv), None)
+        held = self._take_sessions(conv)
+        if held is None:
             return
         try:
-            fut = asyncio.get_running_loop().create_task(end_conversation(self.client, held))
+            fut = asyncio.get_running_loop().create_task(self._end(held))
         except RuntimeError:  # no event loop in this thread
-            import concurrent.futures
             pool = concurrent.futures.ThreadPoolExecutor(1)
-            fut = pool.submit(asyncio.run, end_conversation(self.client, held))
+            fut = pool.submit(asyncio.run, self._end(held))
             pool.shutdown(wait=False)
         self._ending.add(fut)
         fut.add_done_callback(self._ending.discard)
+
+    @staticmethod
+    def _take_sessions(conv):
+        """A copy holding ``conv``'s server sessions (None if it has none); ``conv`` starts afresh."""
+        from .triton_client import Conversation
+        held = Conversation(session_id=conv.session_id, stale_session=conv.stale_session)
+        conv.messages, conv.session_id, conv.stale_session = [], None, None
+        return held if held.session_id is not None or held.stale_session is not None else None
+
+    async def _end(self, *convs) -> None:
+        from .triton_client import end_conversation
+        await asyncio.gather(*(end_conversation(self.client, c) for c in convs))
+
+    def close(self):
+        """End the sessions of conversations still open, so the server frees their KV cache."""
+        import concurrent.futures
+        held = [h for h in map(self._take_sessions, self.conversations.values()) if h is not None]
+        self.conversations.clear()
+        if held:  # in a thread of its own: the caller's thread may run an event loop (Playwright, Gradio)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, self._end(*held)).result()
 
 
 def open_chat_client(model_or_url: str | None = None, backend: str | None = None,

@@ -22,6 +22,7 @@ import json
 import random
 import sys
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from lmd.errors import LmdError
@@ -181,8 +182,9 @@ class TritonChatClient:
         inputs = build_inputs(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               repetition_penalty=repetition_penalty, random_seed=random_seed, ignore_eos=ignore_eos,
                               stop_words=stop_words, **session)
-        async for item in self._stream(model, inputs):
-            yield item
+        async with aclosing(self._stream(model, inputs)) as responses:  # closing this closes the stream
+            async for item in responses:
+                yield item
 
     async def _stream(self, model: str, inputs: list) -> AsyncIterator[tuple[str, str | None]]:
         import grpc
@@ -213,7 +215,7 @@ class TritonChatClient:
         except (grpc.RpcError, InferenceServerException) as e:
             raise TritonClientError(self._describe(e, model)) from None
         except asyncio.TimeoutError:
-            pass  # the answer is complete; the cancel below closes the stream
+            pass  # the answer is complete; closing the channel below cuts the stream
         finally:
             if responses is not None and not answered.is_set():
                 responses.cancel()  # stopped early: the server aborts the request
@@ -279,20 +281,20 @@ async def chat_turn(client: TritonChatClient, conv: Conversation, message: str,
     else:
         prompt, start = message, False
     answer: list[str] = []
-    completed = False
+    reason, failed = None, False
     try:
-        async for text, reason in client.stream(prompt, session_id=conv.session_id, sequence_start=start,
-                                                sequence_end=False, **sampling):
-            answer.append(text)
-            yield text, reason
-        completed = True
+        async with aclosing(client.stream(prompt, session_id=conv.session_id, sequence_start=start,
+                                          sequence_end=False, **sampling)) as pieces:
+            async for text, reason in pieces:
+                answer.append(text)
+                yield text, reason
     except TritonClientError:
-        conv.restart()
+        failed = True
         raise
     finally:
-        if not completed:  # cut short: the session holds a partial answer; replay the history next turn
+        if failed or reason is None:  # cut short: the session's state is unknown; replay the history
             conv.restart()
-        if completed or answer:
+        if answer or not failed:
             conv.messages = conv.messages + [{'role': 'user', 'content': message},
                                              {'role': 'assistant', 'content': ''.join(answer)}]
 
@@ -382,9 +384,10 @@ def run_triton_client(address: str, model: str | None = None, session_id: int | 
 async def _print_turn(client: TritonChatClient, conv: Conversation, message: str, sampling: dict, out) -> None:
     reason = None
     try:
-        async for text, reason in chat_turn(client, conv, message, **sampling):
-            out.write(text)
-            out.flush()
+        async with aclosing(chat_turn(client, conv, message, **sampling)) as pieces:
+            async for text, reason in pieces:
+                out.write(text)
+                out.flush()
     except asyncio.CancelledError:  # Ctrl-C: the Runner cancelled the turn
         reason = 'interrupted'
     except TritonClientError as e:
