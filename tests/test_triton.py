@@ -216,8 +216,10 @@ def test_stop_words_and_ignore_eos(stream, pipe, model):
 
 @pytest.mark.parametrize('first_turn_ends', ['length', 'stop'])
 def test_multi_turn_session_reuses_the_cache(triton_server, stream, pipe, first_turn_ends):
-    turns = ['My name is Ada. Say hi to me in five words.', 'What is my name?']
-    max_tokens = 12 if first_turn_ends == 'length' else 120
+    if first_turn_ends == 'length':
+        turns, max_tokens = ['My name is Ada. Tell me a long story about a dragon.', 'What is my name?'], 12
+    else:
+        turns, max_tokens = ['My name is Ada. Say hi to me in five words.', 'What is my name?'], 120
     session = pipe.new_session()
     answers = [pipe.chat(t, session, GenerationConfig(max_new_tokens=max_tokens))[0] for t in turns]
     pipe.end_session(session)

@@ -19,7 +19,11 @@ ENGINE_FIELDS = dict(session_len=SESSION_LEN, cache_max_entry_count=0.05, enable
 def start_triton(repo: str, log_dir: str):
     """tritonserver on ``repo``; a missing or broken installation fails the test with the reason."""
     from lmd.serve.triton_server import TritonNotInstalled, TritonServer
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    ports = set()
+    while len(ports) < 3:  # three different ones: each free_port() call may hand out the same
+        ports.add(free_port())
+    http_port, grpc_port, metrics_port = sorted(ports)
+    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           log_path=os.path.join(log_dir, 'tritonserver.log'))
     try:
         return server.start(timeout=600)
@@ -70,8 +74,7 @@ class Stream:
             result, error = self.read(timeout)
             if error is not None:
                 return results, str(error)
-            if result.as_numpy(result.get_response().outputs[0].name) is not None \
-                    if result.get_response().outputs else False:
+            if result.get_response().outputs:  # the empty final response carries none
                 results.append(result)
             if result.get_response().parameters['triton_final_response'].bool_param:
                 return results, None

@@ -97,16 +97,22 @@ def _as_text(name: str, v: Any) -> str:
     return str(v)
 
 
-def read_inputs(get: Callable[[str], np.ndarray | None], spec: dict[str, str]) -> dict[str, Any]:
+def read_inputs(get: Callable[[str], np.ndarray | None], spec: dict[str, str],
+                required: tuple[str, ...] = ()) -> dict[str, Any]:
     """The inputs of ``spec`` the request carries, as Python values; absent ones are left out.
 
     ``get(name)`` returns the input's array or None. Triton has already checked each tensor's
-    datatype against config.pbtxt; this checks shapes and turns them into values.
+    datatype against config.pbtxt; this checks shapes and turns them into values. ``required``
+    inputs are checked here: Triton lets a request without them through to a Python model, and an
+    ensemble without its first step's input answers with nothing at all, so configs declare
+    ``prompt`` optional and the model names it when it is missing.
     """
     out: dict[str, Any] = {}
     for name, kind in spec.items():
         arr = get(name)
         if arr is None:
+            if name in required:
+                raise InputError(f"input '{name}' is required")
             continue
         arr = np.asarray(arr)
         if arr.dtype.kind not in _NUMPY_KINDS[kind]:

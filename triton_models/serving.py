@@ -14,6 +14,7 @@ aborts it in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -73,7 +74,8 @@ class PreprocessingModel:
         responses = []
         for request in requests:
             try:
-                values = common.read_inputs(_get(request), {'prompt': 'text', 'sequence_start': 'bool'})
+                values = common.read_inputs(_get(request), {'prompt': 'text', 'sequence_start': 'bool'},
+                                            required=('prompt',))
                 ids = common.prompt_ids(self.tokenizer, self.template, values['prompt'],
                                         values.get('sequence_start', True))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
@@ -89,13 +91,19 @@ class PostprocessingModel:
     def initialize(self, args):
         params = common.parameters(json.loads(args['model_config']))
         self.tokenizer, _ = common.load_text_side(params)
+        self.engine_model = params.get('engine_model') or 'engine'
 
     def execute(self, requests):
         responses = []
-        spec = {'output_ids': 'ids', 'prev_length': 'int', 'finish_reason': 'text', 'stop_words': 'texts'}
+        spec = {'output_ids': 'ids', 'prev_length': 'int', 'finish_reason': 'text', 'stop_words': 'texts',
+                'request_id': 'uint'}
         for request in requests:
+            if request.is_cancelled():  # the ensemble's client went away: stop the engine's request
+                self._cancel_in_engine(request)
+                responses.append(_error('the request was cancelled', pb_utils.TritonError.CANCELLED))
+                continue
             try:
-                values = common.read_inputs(_get(request), spec)
+                values = common.read_inputs(_get(request), spec, required=('output_ids', 'prev_length'))
                 reason = values.get('finish_reason', '')
                 text = common.text_increment(self.tokenizer, values.get('output_ids', []),
                                              values.get('prev_length', 0), final=bool(reason),
@@ -105,6 +113,17 @@ class PostprocessingModel:
             except (InputError, ValueError) as e:
                 responses.append(_error(str(e)))
         return responses
+
+    def _cancel_in_engine(self, request) -> None:
+        t = pb_utils.get_input_tensor_by_name(request, 'request_id')
+        if t is None:
+            return
+        cancel = pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=[],
+                                           inputs=[pb_utils.Tensor('cancel', t.as_numpy().astype(np.uint64))])
+        for response in cancel.exec(decoupled=True):
+            if response.has_error():
+                logger.warning('cancelling request %s in %s: %s', t.as_numpy(), self.engine_model,
+                               response.error().message())
 
 
 # ---- models that host an engine -----------------------------------------------------------------
@@ -125,7 +144,7 @@ class _EngineHost:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f'lmd-{self.model_name}', daemon=True)
         self.thread.start()
-        self.tasks: set[asyncio.Future] = set()
+        self.running: dict[int, concurrent.futures.Future] = {}  # request id -> its serving coroutine
         self.session_tails: dict[int, int] = {}  # kept session -> the last token the engine holds for it
         labels = {'model': self.model_name}
         prompt = pb_utils.MetricFamily(name='lmd_prompt_tokens_total', kind=pb_utils.MetricFamily.COUNTER,
@@ -149,20 +168,31 @@ class _EngineHost:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if self.cancel(request):
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 job = self.prepare(request)
             except (InputError, ValueError) as e:
                 sender.send(_error(str(e)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
+            rid = job['session_id']
             fut = asyncio.run_coroutine_threadsafe(self._serve(sender, job), self.loop)
-            self.tasks.add(fut)
-            fut.add_done_callback(self.tasks.discard)
+            self.running.setdefault(rid, fut)  # a second turn of a busy session fails in the engine
+            fut.add_done_callback(lambda f, rid=rid: self.running.pop(rid, None) if self.running.get(rid) is f
+                                  else None)
         return None
+
+    def cancel(self, request) -> bool:
+        """Whether ``request`` asks to stop another (see EngineModel); it is then done."""
+        return False
 
     def prepare(self, request) -> dict[str, Any]:
         """The request's inputs, checked: everything ``generate`` needs."""
         values = common.read_inputs(_get(request), {**self.prompt_spec, **common.SAMPLING_INPUTS,
-                                                    **common.SESSION_INPUTS})
+                                                    **common.SESSION_INPUTS}, required=tuple(self.prompt_spec))
         sid, start, end = common.session_of(values)
+        if sid is None:
+            sid = self.engine.next_session_id()
         return dict(values=values, gen=common.generation_config(values), session_id=sid,
                     sequence_start=start, sequence_end=end)
 
@@ -249,7 +279,7 @@ class _EngineHost:
                 return
 
     def finalize(self):
-        for fut in list(self.tasks):
+        for fut in list(self.running.values()):
             fut.cancel()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
@@ -259,9 +289,20 @@ class _EngineHost:
 class EngineModel(_EngineHost):
     """``input_ids`` (+ sampling and session inputs) -> streamed ``output_ids`` (all generated so far),
     ``prev_length`` (how many of them earlier responses carried), ``finish_reason``,
-    ``prompt_tokens``, ``cached_tokens``, and the request's ``stop_words`` for postprocessing."""
+    ``prompt_tokens``, ``cached_tokens``, and the request's ``stop_words`` and ``request_id`` for
+    postprocessing. A request with a ``cancel`` input stops the running request of that id."""
 
     prompt_spec = {'input_ids': 'ids'}
+
+    def cancel(self, request) -> bool:
+        t = pb_utils.get_input_tensor_by_name(request, 'cancel')
+        if t is None:
+            return False
+        rid = common.read_inputs(lambda name: t.as_numpy(), {'cancel': 'uint'})['cancel']
+        fut = self.running.get(rid)
+        if fut is not None:
+            fut.cancel()  # its coroutine is cancelled: generate() aborts it in the engine
+        return True
 
     def prepare(self, request):
         job = super().prepare(request)
@@ -280,7 +321,8 @@ class EngineModel(_EngineHost):
         return [_int_tensor('output_ids', ids), _int_tensor('prev_length', [prev]),
                 _text_tensor('finish_reason', [r.finish_reason or '']),
                 _int_tensor('prompt_tokens', [r.input_token_len]), _int_tensor('cached_tokens', [r.num_cached_tokens]),
-                _text_tensor('stop_words', job['values'].get('stop_words') or [])]
+                _text_tensor('stop_words', job['values'].get('stop_words') or []),
+                pb_utils.Tensor('request_id', np.array([job['session_id']], dtype=np.uint64))]
 
 
 class LmdModel(_EngineHost):
