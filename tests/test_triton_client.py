@@ -58,17 +58,26 @@ def run_client(*args: str, stdin: str, timeout: float = 120) -> subprocess.Compl
 
 
 def test_terminal_client_streams_greedy_answers_in_one_session(triton, pipe):
+    from lmd.serve.triton_client import TritonChatClient, TritonClientError
     q1, q2 = 'What is the capital of France?', 'And of Germany?'
     a1 = greedy(pipe, [{'role': 'user', 'content': q1}], 24)
     a2 = greedy(pipe, [{'role': 'user', 'content': q1}, {'role': 'assistant', 'content': a1},
                        {'role': 'user', 'content': q2}], 24)
-    r = run_client(triton.grpc_url, '--max-tokens', '24', stdin=f'{q1}\n{q2}\n/exit\nnever read\n')
+    session = 31337
+    r = run_client(triton.grpc_url, '--max-tokens', '24', '--session-id', str(session),
+                   stdin=f'{q1}\n{q2}\n/reset\n{q1}\n/exit\nnever read\n')
     assert r.returncode == 0, r.stdout + r.stderr
     assert 'Traceback' not in r.stdout + r.stderr, r.stderr
     assert r.stdout.startswith(f"lmd triton_client: model 'ensemble' at {triton.grpc_url}."), r.stdout
     cut = ' [stopped: max_tokens reached]'
     got = [g.removesuffix(cut).strip() for g in replies(r.stdout)]
-    assert got == [a1.strip(), a2.strip(), ''], got
+    assert got == [a1.strip(), a2.strip(), '(new conversation)', a1.strip(), ''], got
+
+    async def continue_session():
+        return [t async for t, _ in TritonChatClient(triton.grpc_url).stream(
+            'Hi.', session_id=session, sequence_start=False, max_tokens=2)]
+    with pytest.raises(TritonClientError, match=f'session {session} is unknown'):
+        in_thread(continue_session())  # /reset ended it
 
 
 def test_cancelled_stream_is_aborted_and_the_server_keeps_serving(triton, pipe):
@@ -152,6 +161,17 @@ def browser():
         b.close()
 
 
+def wait_running(triton, n: int, timeout: float = 10) -> float:
+    """``lmd_model``'s running requests on the server's metrics once they are ``n`` (or at the timeout)."""
+    base = triton.metrics_url.removesuffix('/metrics')
+    deadline = time.monotonic() + timeout
+    while True:
+        v = server_utils.metric(base, 'lmd_num_requests_running', model='lmd_model')
+        if v == n or time.monotonic() > deadline:
+            return v
+        time.sleep(0.2)
+
+
 def conversation_of(chat, first_message: str, turns: int):
     """The conversation whose first message is ``first_message``, once it holds ``turns`` answers (the
     stream joins the answer to it after its last piece reached the page)."""
@@ -192,6 +212,24 @@ def test_gradio_page_on_triton_streams_the_greedy_answer_in_one_session(triton, 
         assert page.texts('user') == [q1, q2]
         assert conversation_of(chat, q1, 2) is conv and conv.session_id == session
         assert conv.messages[-1] == {'role': 'assistant', 'content': a2}
+
+        # Stop closes the stream: the server aborts the answer; the next turn replays the history
+        # (the stopped answer's part included) into a fresh session
+        page.settings(max_new_tokens=2000)
+        page.send(LONG_PROMPT)
+        wait_until(lambda: len(page.texts('bot')) == 3 and len(page.last_answer()) > 60, 120,
+                   'the long answer to stream')
+        assert wait_running(triton, 1) == 1
+        page.page.click('#lmd-stop')
+        assert wait_running(triton, 0) == 0, 'the server still generates the stopped answer'
+        stopped = conversation_of(chat, q1, 3).messages[-1]['content']
+        assert plain(stopped).startswith(plain(page.last_answer()))
+        q4 = 'Thank you.'
+        a4 = greedy(pipe, conv.messages + [{'role': 'user', 'content': q4}], 8)
+        page.settings(max_new_tokens=8)
+        page.send(q4)
+        page.wait_answer(a4)
+        assert conversation_of(chat, q1, 4) is conv and conv.session_id not in (None, session)
         page.page.click('#lmd-clear')
         wait_until(lambda: not page.texts('user'), 10, 'Clear to empty the chat')
         assert id(conv) not in chat.conversations and conv.session_id is None
