@@ -209,11 +209,12 @@ class Serve:
                session_len: int | None = None, cache_max_entry_count: float | None = None,
                enable_prefix_caching: bool = False, quant_policy: int = 0, dtype: str = 'auto',
                num_threads: int | None = None, max_concurrent: int = 64, share: bool = False):
-        """A web chat (Gradio) on a model run here, or on an api_server: streamed answers, Stop, Clear,
+        """A web chat (Gradio) on a model run here, on an api_server or on Triton: streamed answers, Stop, Clear,
         a system prompt, temperature / top-p / max-new-tokens; each browser session is its own conversation.
 
         Args:
-            model_or_url: a model path or 'smollm2' (the default) to run here, or an api_server URL http://HOST:PORT.
+            model_or_url: a model path or 'smollm2' (the default) to run here, an api_server URL http://HOST:PORT,
+                or lmd's models on a Triton Inference Server, triton://HOST:PORT[/MODEL] (its gRPC port).
             server_name: the address the page listens on.
             server_port: the port the page listens on.
             backend: 'turbomind' or 'pytorch', for a local model.
@@ -231,7 +232,7 @@ class Serve:
         from lmd.serve.gradio_app import run_gradio
 
         from .messages import ChatTemplateConfig
-        local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://')))
+        local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://', 'triton://')))
         config = None
         if local:
             fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
@@ -315,6 +316,32 @@ class Serve:
         if rc:
             sys.exit(rc)
 
+
+    def triton_client(self, address: str, model: str | None = None, session_id: int | None = None,
+                      system: str | None = None, max_tokens: int = 512, temperature: float | None = None,
+                      top_p: float | None = None, top_k: int | None = None, repetition_penalty: float | None = None,
+                      random_seed: int | None = None, stop_words=None):
+        """Chat in the terminal with lmd's model on a Triton Inference Server (`lmd serve triton`), streamed
+        over gRPC. The conversation is a session that keeps its KV cache between turns; /reset starts
+        another, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer.
+
+        Args:
+            address: the server's gRPC endpoint, HOST:PORT (e.g. 127.0.0.1:8001), or triton://HOST:PORT/MODEL.
+            model: 'ensemble' (the default) or 'lmd_model'.
+            session_id: the first conversation's session id, 1 to 4294967295 (default: a random one).
+            system: a system prompt for the conversation.
+            max_tokens: the most tokens one answer may have.
+            temperature: sampling temperature (default: greedy decoding); 0 is greedy.
+            top_p: nucleus sampling mass.
+            top_k: sample among the k likeliest tokens; 1 is greedy.
+            repetition_penalty: >1 discourages repeating tokens.
+            random_seed: makes sampling reproducible.
+            stop_words: strings that end an answer, separated by commas.
+        """
+        from lmd.serve.triton_client import run_triton_client
+        run_triton_client(address, model=model, session_id=session_id, system=system, max_tokens=max_tokens,
+                          temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                          random_seed=random_seed, stop_words=stop_words)
 
 class CLI:
     """lmd: LLM inference and serving. Subcommands: chat, convert, lite, serve. Add --help to any of them."""

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -144,6 +145,7 @@ class _EngineHost:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f'lmd-{self.model_name}', daemon=True)
         self.thread.start()
+        threading.Thread(target=self._exit_with_server, name='lmd-exit-with-server', daemon=True).start()
         self.running: dict[int, concurrent.futures.Future] = {}  # request id -> its serving coroutine
         self.session_tails: dict[int, int] = {}  # kept session -> the last token the engine holds for it
         labels = {'model': self.model_name}
@@ -246,15 +248,20 @@ class _EngineHost:
         if held:
             self.session_tails[sid] = held[-1]
 
-    async def _publish_stats(self) -> None:
-        """The engine's gauges, refreshed for Triton's metrics endpoint. Also watches for the server's end:
-        a stub whose tritonserver died (or gave up waiting at exit) would otherwise keep its engine
-        threads, and a request they were generating, alive."""
+    @staticmethod
+    def _exit_with_server() -> None:
+        """A stub whose tritonserver died (or gave up waiting for requests at exit) would keep its engine
+        threads, and a request they were generating, alive; the event loop may be stuck in a call to the
+        server that never answers. This thread ends the process when the server is gone."""
         parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.error('tritonserver is gone: stopping this model process')
+        os._exit(1)
+
+    async def _publish_stats(self) -> None:
+        """The engine's gauges, refreshed for Triton's metrics endpoint."""
         while True:
-            if os.getppid() != parent:
-                logger.error('tritonserver is gone: stopping this model process')
-                os._exit(1)
             st = self.engine.engine.stats()
             values = {'lmd_num_requests_running': st.num_running, 'lmd_num_requests_waiting': st.num_waiting,
                       'lmd_kv_cache_usage_perc': st.kv_usage,
