@@ -54,8 +54,9 @@ def parse_address(address: str) -> tuple[str, str | None]:
     The port is Triton's gRPC port (8001 by default): streaming answers need gRPC.
     """
     if not isinstance(address, str):
+        # ValueError, not TypeError: fire hands over a bare number (8001) as an int, and this is the user's slip
         raise ValueError(f'{address!r} is not a Triton address: expected HOST:PORT (the gRPC port)')
-    rest = address[len('triton://'):] if address.startswith('triton://') else address
+    rest = address.removeprefix('triton://')
     if '://' in rest:
         raise ValueError(f'{address!r} is not a Triton address: expected HOST:PORT or triton://HOST:PORT[/MODEL] '
                          '(the gRPC port, without http://)')

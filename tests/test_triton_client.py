@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,6 +59,18 @@ def run_client(*args: str, stdin: str, timeout: float = 120) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout)
 
 
+def wait_running(triton, n: int, model: str = 'lmd_model', timeout: float = 10) -> float:
+    """The requests an engine-hosting model (``lmd_model``, ``engine``) runs, as the server's metrics
+    tell, once they are ``n`` (or at the timeout)."""
+    base = triton.metrics_url.removesuffix('/metrics')
+    deadline = time.monotonic() + timeout
+    while True:
+        v = server_utils.metric(base, 'lmd_num_requests_running', model=model)
+        if v == n or time.monotonic() > deadline:
+            return v
+        time.sleep(0.2)
+
+
 def test_terminal_client_streams_greedy_answers_in_one_session(triton, pipe):
     from lmd.serve.triton_client import TritonChatClient, TritonClientError
     q1, q2 = 'What is the capital of France?', 'And of Germany?'
@@ -78,6 +92,39 @@ def test_terminal_client_streams_greedy_answers_in_one_session(triton, pipe):
             'Hi.', session_id=session, sequence_start=False, max_tokens=2)]
     with pytest.raises(TritonClientError, match=f'session {session} is unknown'):
         in_thread(continue_session())  # /reset ended it
+
+
+def test_terminal_ctrl_c_stops_the_answer_on_the_server_and_the_chat_goes_on(triton):
+    proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.triton_client', triton.grpc_url, '--max-tokens', '2000'],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = bytearray()
+
+    def read():
+        while chunk := proc.stdout.read1(4096):
+            out.extend(chunk)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.stdin.write(f'{LONG_PROMPT}\n'.encode())
+        proc.stdin.flush()
+        wait_until(lambda: len(out.decode(errors='replace').split('>>> ')[-1]) > 60, 120, 'the answer to stream')
+        assert wait_running(triton, 1, 'engine') == 1
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: out.decode(errors='replace').rstrip().endswith('[stopped]\n\n>>>'), 15,
+                   'the client to print [stopped] and prompt again')
+        assert wait_running(triton, 0, 'engine') == 0, 'the server still generates the stopped answer'
+        # the next turn replays the conversation, the stopped part included, into a fresh session
+        proc.stdin.write(b'Answer in one word: who is the hero?\n/exit\n')
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    replies_ = replies(out.decode())
+    assert len(replies_) == 3 and replies_[0].endswith('[stopped]') and replies_[1] and not replies_[2], replies_
+    assert b'Traceback' not in out + proc.stderr.read()
 
 
 @pytest.mark.parametrize('model', ['ensemble', 'lmd_model'])
@@ -154,17 +201,6 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, args=['--no-sandbox'])
         yield b
         b.close()
-
-
-def wait_running(triton, n: int, timeout: float = 10) -> float:
-    """``lmd_model``'s running requests on the server's metrics once they are ``n`` (or at the timeout)."""
-    base = triton.metrics_url.removesuffix('/metrics')
-    deadline = time.monotonic() + timeout
-    while True:
-        v = server_utils.metric(base, 'lmd_num_requests_running', model='lmd_model')
-        if v == n or time.monotonic() > deadline:
-            return v
-        time.sleep(0.2)
 
 
 def conversation_of(chat, first_message: str, turns: int):
