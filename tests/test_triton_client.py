@@ -4,11 +4,13 @@ The repository is the one ``lmd serve triton`` writes (TurboMind, the default
 backend). Answers are greedy, so what the clients show is compared with what
 ``pipeline()`` on the same backend answers for the same conversation:
 
-- the terminal client (``python -m lmd.serve.triton_client``) as a subprocess,
-  two turns of one server session, then /exit;
+- the terminal client (``python -m lmd.serve.triton_client``) as a subprocess:
+  two turns of one server session, /reset, /exit; Ctrl-C stops an answer on
+  the server and the chat goes on;
 - ``TritonChatClient``: a consumer cancelled mid-answer closes its gRPC stream,
   the server aborts the request, and it keeps serving;
-- the Gradio page on ``triton://HOST:PORT/lmd_model`` in a real browser.
+- the Gradio page on ``triton://HOST:PORT/lmd_model`` in a real browser: two
+  turns of one session, Stop, Clear.
 """
 from __future__ import annotations
 
@@ -189,6 +191,14 @@ def test_errors_name_the_server_and_the_input(triton):
     assert r.returncode == 2 and 'not a Triton address' in r.stderr, r.stderr
     r = run_client(triton.grpc_url, '--model', 'nope', stdin='Hi\n', timeout=60)
     assert r.returncode == 2 and "model 'nope' is not ready" in r.stderr and 'lmd_model' in r.stderr, r.stderr
+
+    from lmd.serve.gradio_app import open_chat_client
+    with pytest.raises(ValueError, match='not to the Triton server'):
+        open_chat_client(f'triton://{triton.grpc_url}', backend='pytorch')
+    with pytest.raises(ValueError, match='api_key applies to an api_server URL'):
+        open_chat_client(f'triton://{triton.grpc_url}', api_key='k')
+    with pytest.raises(ValueError, match='not a Triton address'):
+        open_chat_client('triton://127.0.0.1')
 
 
 @pytest.fixture(scope='module')
