@@ -196,6 +196,11 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.proc is not None:
+            try:  # model processes the server left behind (it gives up on them after --exit-timeout-secs)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self._log is not None:
             self._log.close()
             self._log = None

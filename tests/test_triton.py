@@ -261,13 +261,27 @@ def test_session_cached_tokens_through_the_engine(stream, pipe):
     assert second[-1].as_numpy('prompt_tokens')[0] == cached + len(more)
 
 
+@pytest.mark.parametrize('model', ['ensemble', 'lmd_model'])
+def test_an_empty_last_turn_just_ends_the_session(triton_server, stream, model):
+    engine_model = 'engine' if model == 'ensemble' else 'lmd_model'
+    sid = np.array([401 if model == 'ensemble' else 402], np.uint64)
+    results, error = generate(stream, model, PROMPTS[1], max_tokens=i32(8), session_id=sid,
+                              sequence_end=np.array([False]))
+    assert error is None
+    assert _wait_metric(triton_server, 'lmd_kv_cache_usage_perc', engine_model, lambda v: v > 0) > 0  # kept
+    results, error = generate(stream, model, '', session_id=sid, sequence_start=np.array([False]),
+                              sequence_end=np.array([True]))
+    assert error is None and text_of(results) == '' and finish_reason_of(results) == 'stop'
+    assert _wait_metric(triton_server, 'lmd_kv_cache_usage_perc', engine_model, lambda v: v == 0) == 0
+
+
 # ---- bad input, cancellation, concurrency ----------------------------------------------------------
 
 @pytest.mark.parametrize('model', ['ensemble', 'lmd_model'])
 def test_bad_inputs_are_named_and_the_model_keeps_serving(stream, model):
     cases = [
         ({'max_tokens': np.array([1.5], dtype=np.float32)}, 'max_tokens'),  # ill-typed
-        ({'max_tokens': i32(-1)}, 'max_tokens'),
+        ({'max_tokens': i32(0)}, 'max_tokens'),
         ({'top_p': np.array([2.0], dtype=np.float32)}, 'top_p'),
         ({'top_k': np.array([3, 4], dtype=np.int32)}, 'top_k'),
         ({'sequence_start': np.array([False])}, 'session_id'),

@@ -136,6 +136,8 @@ def generation_config(values: dict[str, Any]) -> GenerationConfig:
     sample; temperature 0 or top_k 1 is greedy."""
     fields: dict[str, Any] = {}
     if 'max_tokens' in values:
+        if values['max_tokens'] < 1:
+            raise InputError(f"input 'max_tokens' is {values['max_tokens']}: expected 1 or more")
         fields['max_new_tokens'] = values['max_tokens']
     for name in ('temperature', 'top_p', 'top_k', 'repetition_penalty', 'random_seed', 'ignore_eos'):
         if name in values:
@@ -206,6 +208,8 @@ def continuation_text(template: ChatTemplate, messages: list[dict]) -> str:
 def prompt_ids(tokenizer: Tokenizer, template: ChatTemplate, prompt: str, sequence_start: bool = True) -> list[int]:
     """Token ids for ``prompt`` (see ``parse_prompt``): the whole chat template for a new conversation,
     the text between turns for the next turn of a kept session."""
+    if not sequence_start and not prompt:
+        return []  # ends a session without a turn (see the engine models)
     messages = to_messages(parse_prompt(prompt))
     if sequence_start:
         return tokenizer.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)

@@ -18,12 +18,14 @@ import concurrent.futures
 import json
 import logging
 import os
+import subprocess
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from lmd.messages import Response
 
 from . import common
 from .common import InputError
@@ -145,7 +147,7 @@ class _EngineHost:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f'lmd-{self.model_name}', daemon=True)
         self.thread.start()
-        threading.Thread(target=self._exit_with_server, name='lmd-exit-with-server', daemon=True).start()
+        self._exit_with_server()
         self.running: dict[int, concurrent.futures.Future] = {}  # request id -> its serving coroutine
         self.session_tails: dict[int, int] = {}  # kept session -> the last token the engine holds for it
         labels = {'model': self.model_name}
@@ -164,6 +166,7 @@ class _EngineHost:
                   for name, text in STATS_GAUGES.items()}
         self._families = (prompt, cached, generated, *gauges.values())  # a metric lives as long as its family
         self.gauges = {name: family.Metric(labels=labels) for name, family in gauges.items()}
+        self._shown: dict[str, float] = {}
         asyncio.run_coroutine_threadsafe(self._publish_stats(), self.loop)
 
     def execute(self, requests):
@@ -178,6 +181,9 @@ class _EngineHost:
                 sender.send(_error(str(e)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             rid = job['session_id']
+            if job['end_only']:
+                self._end_session(sender, job)
+                continue
             fut = asyncio.run_coroutine_threadsafe(self._serve(sender, job), self.loop)
             self.running.setdefault(rid, fut)  # a second turn of a busy session fails in the engine
             fut.add_done_callback(lambda f, rid=rid: self.running.pop(rid, None) if self.running.get(rid) is f
@@ -188,15 +194,33 @@ class _EngineHost:
         """Whether ``request`` asks to stop another (see EngineModel); it is then done."""
         return False
 
+    def _end_session(self, sender, job: dict) -> None:
+        """A request with nothing to say that ends its session: free the session (stopping a turn still
+        running) and answer at once with an empty, finished response."""
+        sid = job['session_id']
+        fut = self.running.get(sid)
+        if fut is not None:
+            fut.cancel()
+        self.session_tails.pop(sid, None)
+        self.engine.engine.end(sid)
+        done = Response(text='', generate_token_len=0, input_token_len=0, finish_reason='stop', session_id=sid)
+        sender.send(pb_utils.InferenceResponse(output_tensors=self.outputs(job, done, True)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def prepare(self, request) -> dict[str, Any]:
         """The request's inputs, checked: everything ``generate`` needs."""
         values = common.read_inputs(_get(request), {**self.prompt_spec, **common.SAMPLING_INPUTS,
-                                                    **common.SESSION_INPUTS}, required=tuple(self.prompt_spec))
+                                                    **common.SESSION_INPUTS})
         sid, start, end = common.session_of(values)
+        (name, _), = self.prompt_spec.items()
+        given = values.get(name)
+        end_only = not start and end and not given  # nothing to say: just end the session
+        if not given and not end_only:
+            raise InputError(f"input '{name}' is required" if given is None else f"input '{name}' is empty")
         if sid is None:
             sid = self.engine.next_session_id()
         return dict(values=values, gen=common.generation_config(values), session_id=sid,
-                    sequence_start=start, sequence_end=end)
+                    sequence_start=start, sequence_end=end, end_only=end_only)
 
     def input_ids(self, job: dict) -> list[int]:
         raise NotImplementedError
@@ -251,13 +275,13 @@ class _EngineHost:
     @staticmethod
     def _exit_with_server() -> None:
         """A stub whose tritonserver died (or gave up waiting for requests at exit) would keep its engine
-        threads, and a request they were generating, alive; the event loop may be stuck in a call to the
-        server that never answers. This thread ends the process when the server is gone."""
-        parent = os.getppid()
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        logger.error('tritonserver is gone: stopping this model process')
-        os._exit(1)
+        threads, and a request they were generating, alive: a call to the server that never answers can
+        hold the GIL, so no thread of this process can end it. A shell outside it does."""
+        server, me = os.getppid(), os.getpid()
+        script = (f'while kill -0 {server} 2>/dev/null && kill -0 {me} 2>/dev/null; do sleep 1; done; '
+                  f'kill -9 {me} 2>/dev/null')
+        subprocess.Popen(['/bin/sh', '-c', script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
 
     async def _publish_stats(self) -> None:
         """The engine's gauges, refreshed for Triton's metrics endpoint."""
@@ -267,7 +291,9 @@ class _EngineHost:
                       'lmd_kv_cache_usage_perc': st.kv_usage,
                       'lmd_prefix_cache_hit_tokens': st.num_prefix_hit_tokens}
             for name, value in values.items():
-                self.gauges[name].set(float(value))
+                if self._shown.get(name) != value:  # each set is a call into the server
+                    self.gauges[name].set(float(value))
+                    self._shown[name] = value
             await asyncio.sleep(STATS_SECONDS)
 
     @staticmethod
@@ -313,8 +339,6 @@ class EngineModel(_EngineHost):
 
     def prepare(self, request):
         job = super().prepare(request)
-        if not job['values'].get('input_ids') and job['sequence_start']:
-            raise InputError("input 'input_ids' is empty")
         job['output_ids'] = []
         return job
 
