@@ -32,8 +32,9 @@ from .common import InputError
 
 logger = logging.getLogger('lmd.triton')
 
-# How often a generating request asks Triton whether its client is still there.
-CANCEL_POLL_SECONDS = 0.1
+# How often a generating request asks Triton whether its client is still there (each ask is a call into
+# the server, which on a loaded CPU takes time from the engine).
+CANCEL_POLL_SECONDS = 0.5
 # How often the engine's gauges are refreshed on Triton's metrics endpoint.
 STATS_SECONDS = 0.5
 STATS_GAUGES = {
