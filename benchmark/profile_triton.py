@@ -1,6 +1,6 @@
 """Triton vs api_server: the same prompts at the same concurrency through lmd's Triton models and its api_server.
 
-    python benchmark/profile_triton.py --paths api_server,ensemble,lmd_model --concurrency 16 --num-prompts 128
+    python benchmark/profile_triton.py --paths api_server,ensemble,lmd_model --concurrency 16 --num-prompts 96
 
 Three ways to reach the same engine (``--backend``, ``--model``, ``--max-batch-size``):
 
