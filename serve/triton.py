@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import string
 import time
 from importlib import resources
@@ -98,6 +99,11 @@ def serve_triton(model_path: str | None = None, model_repository: str = 'triton_
     server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           address=server_name)
     print('starting tritonserver (loading the models takes a while)...', flush=True)
+
+    def on_sigterm(signum, frame):  # stop the server (its own process group) on the way out
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     server.start()
     print(f'tritonserver is ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}')
     print(f'chat with it: lmd serve triton_client {server.grpc_url}', flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -34,6 +35,10 @@ INSTALL_HINT = 'pip install "lmd[triton]" (nvidia-pytriton 0.7.0 carries tritons
 
 class TritonNotInstalled(LmdError):
     """No tritonserver can be laid out in this environment."""
+
+
+class PortInUse(LmdError):
+    """A port tritonserver should listen on is taken."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ class TritonServer:
         return f'http://{self.address}:{self.metrics_port}/metrics'
 
     def start(self, timeout: float = 600) -> 'TritonServer':
+        self._check_ports()
         dist = triton_dist()
         args = server_args(dist, self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
                            self.address, extra_args=self.extra_args)
@@ -162,6 +168,17 @@ class TritonServer:
             self.stop()
             raise
         return self
+
+    def _check_ports(self) -> None:
+        """A port in use would make tritonserver exit after loading every model (and the readiness check
+        could be answered by whoever holds it): say so now."""
+        for what, port in (('HTTP', self.http_port), ('gRPC', self.grpc_port), ('metrics', self.metrics_port)):
+            with socket.socket() as s:
+                try:
+                    s.bind((self.address, port))
+                except OSError as e:
+                    raise PortInUse(f'the {what} port {self.address}:{port} is not free ({e.strerror}): '
+                                       f'pick another') from None
 
     def ready(self) -> bool:
         try:
