@@ -350,3 +350,23 @@ def test_16_concurrent_streams(triton_server, pipe, model):
         t.join(300)
     assert not errors
     assert texts == refs  # TurboMind is batch-invariant: each equals its solo answer
+
+
+def test_pytorch_backend(tmp_path):
+    """The engine models host the PyTorch engine when the repository says backend pytorch."""
+    from lmd import PytorchEngineConfig, pipeline
+    from triton_utils import start_triton
+    repo = build_smollm2_repository(str(tmp_path), backend='pytorch', models='ensemble,lmd_model',
+                                    cache_max_entry_count=None, max_cache_memory_gib=0.25)
+    with pipeline('smollm2', backend='pytorch',
+                  backend_config=PytorchEngineConfig(session_len=SESSION_LEN, max_cache_memory_gib=0.25)) as p:
+        ref = p(PROMPTS[1], GenerationConfig(max_new_tokens=24))
+    server = start_triton(repo, str(tmp_path))
+    s = Stream(server.grpc_url)
+    try:
+        for model in ('ensemble', 'lmd_model'):
+            results, error = generate(s, model, PROMPTS[1], max_tokens=i32(24))
+            assert error is None and text_of(results) == ref.text, model
+    finally:
+        s.close()
+        server.stop()

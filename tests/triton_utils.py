@@ -31,9 +31,10 @@ def start_triton(repo: str, log_dir: str):
         pytest.fail(f'the Triton tests need a tritonserver: {e}', pytrace=False)
 
 
-def build_smollm2_repository(out: str, **fields) -> str:
-    from lmd.serve.triton import build_repository
-    return build_repository('smollm2', os.path.join(out, 'repo'), backend='turbomind', **{**ENGINE_FIELDS, **fields})
+def build_smollm2_repository(out: str, backend: str = 'turbomind', models=None, **fields) -> str:
+    from lmd.serve.triton import MODELS, build_repository
+    fields = {k: v for k, v in {**ENGINE_FIELDS, **fields}.items() if v is not None}
+    return build_repository('smollm2', os.path.join(out, 'repo'), backend=backend, models=models or MODELS, **fields)
 
 
 def grpc_input(name: str, value):
