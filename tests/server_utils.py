@@ -12,6 +12,12 @@ import time
 import httpx
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a client whose Ctrl+C is under test: a job a shell starts in the background
+    ignores SIGINT, its children inherit that, and Python then installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))

@@ -89,7 +89,8 @@ def test_system_prompt_and_exit(api_server):
 
 def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(api_server):
     proc = subprocess.Popen(client_cmd(api_server, '--api-key', KEY, '--temperature', '0', '--max-tokens', '2000'),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=server_utils.interruptible)
     out = bytearray()
 
     def read():

@@ -98,7 +98,8 @@ def test_terminal_client_streams_greedy_answers_in_one_session(triton, pipe):
 
 def test_terminal_ctrl_c_stops_the_answer_on_the_server_and_the_chat_goes_on(triton):
     proc = subprocess.Popen([sys.executable, '-m', 'lmd.serve.triton_client', triton.grpc_url, '--max-tokens', '2000'],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=server_utils.interruptible)
     out = bytearray()
 
     def read():
