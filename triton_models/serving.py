@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -96,13 +97,14 @@ class PostprocessingModel:
         params = common.parameters(json.loads(args['model_config']))
         self.tokenizer, _ = common.load_text_side(params)
         self.engine_model = params.get('engine_model') or 'engine'
+        self.asked: dict[int, float] = {}  # engine request id -> when we last asked whether it was cancelled
 
     def execute(self, requests):
         responses = []
         spec = {'output_ids': 'ids', 'prev_length': 'int', 'finish_reason': 'text', 'stop_words': 'texts',
                 'request_id': 'uint'}
         for request in requests:
-            if request.is_cancelled():  # the ensemble's client went away: stop the engine's request
+            if self._due(request) and request.is_cancelled():  # the client went away: stop the engine's request
                 self._cancel_in_engine(request)
                 responses.append(_error('the request was cancelled', pb_utils.TritonError.CANCELLED))
                 continue
@@ -117,6 +119,26 @@ class PostprocessingModel:
             except (InputError, ValueError) as e:
                 responses.append(_error(str(e)))
         return responses
+
+    def _due(self, request) -> bool:
+        """Whether to ask Triton if ``request`` was cancelled: each ask is a round trip to the server,
+        so a stream is asked at most every CANCEL_POLL_SECONDS (and on its first and last response)."""
+        rid = pb_utils.get_input_tensor_by_name(request, 'request_id')
+        if rid is None:
+            return True
+        rid = int(rid.as_numpy().reshape(-1)[0])
+        now = time.monotonic()
+        last = self.asked.get(rid)
+        reason = pb_utils.get_input_tensor_by_name(request, 'finish_reason')
+        if reason is not None and reason.as_numpy().reshape(-1)[0]:  # the stream's last response
+            self.asked.pop(rid, None)
+            return True
+        if last is not None and now - last < CANCEL_POLL_SECONDS:
+            return False
+        if len(self.asked) > 4096:  # streams that ended without a last response (their client went away)
+            self.asked = {k: t for k, t in self.asked.items() if now - t < 60 * CANCEL_POLL_SECONDS}
+        self.asked[rid] = now
+        return True
 
     def _cancel_in_engine(self, request) -> None:
         t = pb_utils.get_input_tensor_by_name(request, 'request_id')
