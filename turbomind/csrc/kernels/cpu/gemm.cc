@@ -69,17 +69,14 @@ void packed_row(const TensorView & packed, int64_t n, void * out) {
 
 namespace {
 
-// fn(p0, p1) for each thread's 16-column panels [p0, p1) (contiguous: the weights are read
-// once in all), on as many threads as pay for themselves (below ~64k multiply-adds a second
-// one costs more than it saves).
+// fn(p0, p1) over runs of 16-column panels [p0, p1) (each weight is read once in all), on as
+// many threads as pay for themselves (below ~64k multiply-adds a second one costs more than it
+// saves).
 template <typename Fn>
 void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
     const int64_t P = num_panels(N);
     const int threads = static_cast<int>(std::min<int64_t>({num_threads(), P, std::max<int64_t>(1, M * N * K >> 16)}));
-    parallel(threads, [&](int t, int nt) {
-        const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-        if (p0 < p1) fn(p0, p1);
-    });
+    parallel_ranges(threads, P, 1, fn);
 }
 
 // x as float32 rows for the AVX2 kernels: itself, or 16-bit activations widened once (not

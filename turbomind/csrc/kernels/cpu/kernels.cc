@@ -61,13 +61,10 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
         xf = converted.data();
         ldx = K;
     }
-    // each thread owns a contiguous run of output columns (rows of w): w is read once in all
+    // runs of output columns (rows of w): w is read once in all
     constexpr int64_t kAlign = 12;  // whole tiles of 3 and of 4 rows
-    parallel(threads, [&](int t, int nt) {
-        const int64_t per = (N + nt - 1) / nt;
-        int64_t n0 = std::min(N, (per * t + kAlign - 1) / kAlign * kAlign);
-        int64_t n1 = t == nt - 1 ? N : std::min(N, (per * (t + 1) + kAlign - 1) / kAlign * kAlign);
-        if (n0 < n1) avx2::linear_rows(xf, ldx, M, K, w, bias, y, n0, n1);
+    parallel_ranges(threads, N, kAlign, [&](int64_t n0, int64_t n1) {
+        avx2::linear_rows(xf, ldx, M, K, w, bias, y, n0, n1);
     });
 }
 

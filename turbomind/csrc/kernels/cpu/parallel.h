@@ -2,6 +2,10 @@
 // threads (the libgomp torch loads too, so the two never oversubscribe), inline when one.
 #pragma once
 
+#include <atomic>
+#include <algorithm>
+#include <cstdint>
+
 #if defined(LMD_WITH_OPENMP)
 #include <omp.h>
 #endif
@@ -18,6 +22,40 @@ void parallel(int threads, Fn && fn) {
     }
 #endif
     fn(0, 1);
+}
+
+// Work pieces per thread for parallel_chunks: enough that a thread the OS takes away for a
+// moment leaves its remaining pieces to the others, few enough that taking one costs nothing.
+constexpr int64_t kChunksPerThread = 4;
+
+// fn(i) for every i in [0, n) on `threads` threads, each taking the next piece when it is done
+// with one. With a fixed share each, a thread preempted by another process (a server's I/O
+// thread waking on the same cores) would hold every other at the end of the region.
+template <typename Fn>
+void parallel_chunks(int threads, int64_t n, Fn && fn) {
+    if (threads <= 1 || n <= 1) {
+        for (int64_t i = 0; i < n; ++i) fn(i);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    parallel(threads, [&](int, int) {
+        for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+             i = next.fetch_add(1, std::memory_order_relaxed)) {
+            fn(i);
+        }
+    });
+}
+
+// fn(begin, end) over [0, n) cut into whole units of `align`, shared out by parallel_chunks.
+template <typename Fn>
+void parallel_ranges(int threads, int64_t n, int64_t align, Fn && fn) {
+    const int64_t units = (n + align - 1) / align;
+    const int64_t chunks = std::min<int64_t>(units, threads > 1 ? threads * kChunksPerThread : 1);
+    parallel_chunks(threads, chunks, [&](int64_t c) {
+        const int64_t begin = std::min(n, units * c / chunks * align);
+        const int64_t end = std::min(n, units * (c + 1) / chunks * align);
+        if (begin < end) fn(begin, end);
+    });
 }
 
 }  // namespace turbomind::cpu

@@ -25,18 +25,6 @@ int matmul_threads(int64_t M, int64_t N, int64_t K) {
     return static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, M * N * K >> 16)));
 }
 
-// Each thread owns a contiguous run of output columns (weight rows), starting on a multiple
-// of `align` so that the tiles stay whole: the weights are read once in all.
-template <typename Fn>
-void split_columns(int threads, int64_t N, int64_t align, Fn && fn) {
-    parallel(threads, [&](int t, int nt) {
-        const int64_t per = (N + nt - 1) / nt;
-        const int64_t n0 = std::min(N, (per * t + align - 1) / align * align);
-        const int64_t n1 = t == nt - 1 ? N : std::min(N, (per * (t + 1) + align - 1) / align * align);
-        if (n0 < n1) fn(n0, n1);
-    });
-}
-
 }  // namespace
 
 void linear_w4a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
@@ -55,7 +43,7 @@ void linear_w4a16(const TensorView & x, const TensorView & qweight, const Tensor
     std::vector<float> xp(M * K64), xsum(M * num_groups);
     for (int64_t m = 0; m < M; ++m) avx2::w4a16_prepare_row(x, m, group_size, &xp[m * K64], &xsum[m * num_groups]);
     const avx2::W4A16Activations a{xp.data(), xsum.data(), M, K, K64, group_size};
-    split_columns(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
+    parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
         avx2::linear_w4a16_rows(a, qweight, scales, mins, bias, y, n0, n1);
     });
 }
@@ -80,7 +68,7 @@ void linear_w8a16(const TensorView & x, const TensorView & qweight, const Tensor
         xf = converted.data();
         ldx = K;
     }
-    split_columns(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
+    parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
         avx2::linear_w8a16_rows(xf, ldx, M, K, qweight, scales, bias, y, group_size, n0, n1);
     });
 }
@@ -115,7 +103,7 @@ void linear_w8a8(const TensorView & x, const TensorView & w, const TensorView & 
         return;
     }
     std::vector<int16_t> xw(xq.begin(), xq.end());  // widened once, not once per weight row
-    split_columns(threads, N, 12, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 3 columns
+    parallel_ranges(threads, N, 12, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 3 columns
         avx2::linear_w8a8_rows(xw.data(), sx.data(), M, K, w, sw, bias, y, n0, n1);
     });
 }
