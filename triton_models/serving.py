@@ -104,51 +104,51 @@ class PostprocessingModel:
         spec = {'output_ids': 'ids', 'prev_length': 'int', 'finish_reason': 'text', 'stop_words': 'texts',
                 'request_id': 'uint'}
         for request in requests:
-            if self._due(request) and request.is_cancelled():  # the client went away: stop the engine's request
-                self._cancel_in_engine(request)
+            try:
+                values = common.read_inputs(_get(request), spec, required=('output_ids', 'prev_length'))
+            except (InputError, ValueError) as e:
+                responses.append(_error(str(e)))
+                continue
+            reason, rid = values.get('finish_reason', ''), values.get('request_id')
+            if self._due(rid, last=bool(reason)) and request.is_cancelled():  # the client went away
+                self._cancel_in_engine(rid)
                 responses.append(_error('the request was cancelled', pb_utils.TritonError.CANCELLED))
                 continue
             try:
-                values = common.read_inputs(_get(request), spec, required=('output_ids', 'prev_length'))
-                reason = values.get('finish_reason', '')
-                text = common.text_increment(self.tokenizer, values.get('output_ids', []),
-                                             values.get('prev_length', 0), final=bool(reason),
-                                             stop_words=values.get('stop_words') or ())
+                text = common.text_increment(self.tokenizer, values['output_ids'], values['prev_length'],
+                                             final=bool(reason), stop_words=values.get('stop_words') or ())
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     _text_tensor('text', [text]), _text_tensor('finish_reason', [reason])]))
             except (InputError, ValueError) as e:
                 responses.append(_error(str(e)))
         return responses
 
-    def _due(self, request) -> bool:
-        """Whether to ask Triton if ``request`` was cancelled: each ask is a round trip to the server,
-        so a stream is asked at most every CANCEL_POLL_SECONDS (and on its first and last response)."""
-        rid = pb_utils.get_input_tensor_by_name(request, 'request_id')
+    def _due(self, rid: int | None, last: bool) -> bool:
+        """Whether to ask Triton if engine request ``rid``'s stream was cancelled: each ask is a round
+        trip to the server, so a stream is asked at most every CANCEL_POLL_SECONDS (and on its first
+        and ``last`` response)."""
         if rid is None:
             return True
-        rid = int(rid.as_numpy().reshape(-1)[0])
-        now = time.monotonic()
-        last = self.asked.get(rid)
-        reason = pb_utils.get_input_tensor_by_name(request, 'finish_reason')
-        if reason is not None and reason.as_numpy().reshape(-1)[0]:  # the stream's last response
+        if last:
             self.asked.pop(rid, None)
             return True
-        if last is not None and now - last < CANCEL_POLL_SECONDS:
+        now = time.monotonic()
+        asked = self.asked.get(rid)
+        if asked is not None and now - asked < CANCEL_POLL_SECONDS:
             return False
         if len(self.asked) > 4096:  # streams that ended without a last response (their client went away)
             self.asked = {k: t for k, t in self.asked.items() if now - t < 60 * CANCEL_POLL_SECONDS}
         self.asked[rid] = now
         return True
 
-    def _cancel_in_engine(self, request) -> None:
-        t = pb_utils.get_input_tensor_by_name(request, 'request_id')
-        if t is None:
+    def _cancel_in_engine(self, rid: int | None) -> None:
+        if rid is None:
             return
         cancel = pb_utils.InferenceRequest(model_name=self.engine_model, requested_output_names=[],
-                                           inputs=[pb_utils.Tensor('cancel', t.as_numpy().astype(np.uint64))])
+                                           inputs=[pb_utils.Tensor('cancel', np.array([rid], dtype=np.uint64))])
         for response in cancel.exec(decoupled=True):
             if response.has_error():
-                logger.warning('cancelling request %s in %s: %s', t.as_numpy(), self.engine_model,
+                logger.warning('cancelling request %s in %s: %s', rid, self.engine_model,
                                response.error().message())
 
 
