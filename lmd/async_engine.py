@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from .chat_template import get_chat_template, to_messages
-from .engine import Engine, EngineOutput, EngineRequest, SamplingParams
+from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams
 from .guided import constraint_for
 from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
@@ -67,6 +67,13 @@ class Session:
     started: bool = False
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat as the engine takes it (``AsyncEngine.encode_chat``)."""
+    input_ids: tuple[int, ...]
+    text: str | None  # the rendered template (a reasoning parser reads how it ends); None: no template
+
+
 class AsyncEngine:
 
     def __init__(self, model_path: str | None = None, backend: str | None = None,
@@ -103,6 +110,31 @@ class AsyncEngine:
         text = self.render(prompt, do_preprocess)
         # a rendered template already carries its own BOS where the model wants one
         return self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
+
+    def encode_chat(self, messages: str | list[dict], *, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None, do_preprocess: bool = True) -> ChatPrompt:
+        """A chat rendered and tokenized, as a server takes it: the template applied with ``tools``
+        (OpenAI tool dicts) and ``chat_template_kwargs`` (a Jinja template's variables, e.g.
+        ``enable_thinking``). Without ``do_preprocess`` the messages' text is joined as it is and
+        tokenized with the model's BOS. ValueError for bad messages; TypeError for arguments the
+        template does not take."""
+        messages = to_messages(messages)
+        if not do_preprocess:
+            text = ''.join(m['content'] if isinstance(m['content'], str) else '' for m in messages)
+            return ChatPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=True)), None)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs['tools'] = list(tools)
+        text = self.chat_template.render(messages, add_generation_prompt=True, **kwargs)
+        # a rendered template already carries its own BOS where the model wants one
+        return ChatPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=False)), text)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` tokenized as it is, no template; ``add_special_tokens`` adds the model's BOS."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def sampling_params(self, gen: GenerationConfig, seed: int | None = None) -> SamplingParams:
         bad = tuple(self.tokenizer.token_ids_of_words(gen.bad_words)) if gen.bad_words else ()
@@ -278,6 +310,29 @@ class AsyncEngine:
             self.engine.end(session.session_id)
         session.started = False
         session.token_ids = []
+
+    # ---- the engine below, for servers ------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        """Whether the engine's threads run (a server's health: False once closed or if one died)."""
+        return self.engine.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's class name (TurbomindEngine or PytorchEngine), for logs."""
+        return type(self.engine).__name__
+
+    def abort(self, session_id: int) -> None:
+        """Stop the request running under ``session_id``; unknown ids are ignored."""
+        self.engine.abort(session_id)
+
+    def end(self, session_id: int) -> None:
+        """Forget the session the engine keeps under ``session_id`` (a request with ``sequence_end=False``),
+        freeing its KV cache; ``end_session`` does it for a ``Session``."""
+        self.engine.end(session_id)
 
     def close(self) -> None:
         self.engine.close()

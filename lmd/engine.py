@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .errors import PromptTooLongError
 from .messages import FinishReason, GenerationConfig
 
 if TYPE_CHECKING:
@@ -158,6 +159,10 @@ class Engine(ABC):
         ...
 
     @abstractmethod
+    def is_alive(self) -> bool:
+        """Whether the engine's threads are running (False once closed, or if one of them died)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop the engine thread; pending requests finish with 'abort'."""
 
@@ -165,7 +170,10 @@ class Engine(ABC):
 class SessionTable:
     """The request checks every engine runs in ``add_request``, and the session state they need:
     which sessions have a turn in flight, and which interactive sessions are kept (with the
-    length of the context they hold). Thread-safe."""
+    length of the context they hold). Thread-safe.
+
+    It owns lmd's one prompt-length check (``PromptTooLongError``): only here is a kept session's
+    history known, and every caller, ``AsyncEngine`` and the servers included, comes through it."""
 
     def __init__(self, vocab_size: int, session_len: int):
         self.vocab_size = vocab_size
@@ -204,10 +212,8 @@ class SessionTable:
                     raise ValueError(f'session {sid} is unknown: sequence_start=False continues a session kept '
                                      'by an earlier request with sequence_end=False')
                 history = self._kept[sid]
-            if history + len(ids) >= self.session_len:
-                what = f'the prompt ({len(ids)} tokens' + (f' + {history} of history)' if history else ')')
-                raise ValueError(f'session {sid}: {what} must be shorter than session_len={self.session_len} '
-                                 'to leave room for generated tokens')
+            if history + len(ids) >= self.session_len:  # the one prompt-length check of lmd
+                raise PromptTooLongError(sid, len(ids), history, self.session_len)
             self._active.add(sid)
 
     def withdraw(self, session_id: int) -> None:

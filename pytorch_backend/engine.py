@@ -170,6 +170,9 @@ class PytorchEngine(Engine):
     def stats(self) -> EngineStats:
         return self._stats
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self) -> None:
         with self._cond:
             self._closing = True

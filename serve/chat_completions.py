@@ -1,30 +1,36 @@
-"""``/v1/chat/completions``: the prompt (template, tools, the grammar a forced tool choice
-implies) and the engine's output as OpenAI's chunks or body (reasoning, then tool calls)."""
+"""``/v1/chat/completions``: the prompt (``AsyncEngine.encode_chat`` with the tools, the grammar
+a forced tool choice implies) and the engine's output as OpenAI's chunks or body (reasoning, then
+tool calls)."""
 from __future__ import annotations
 
 import json
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from fastapi import Request
 
 from lmd.async_engine import AsyncEngine
-from lmd.chat_template import to_messages
 from lmd.messages import Response
 
+from .errors import APIError, as_api_error
 from .openai_protocol import ChatCompletionRequest, ToolChoiceFunction
-from .streaming import (
-    APIError,
-    ChoiceState,
-    RequestTimer,
-    Usage,
-    as_api_error,
-    rejoin,
-    split_first,
-)
+from .server import Server
+from .streaming import ChoiceState, RequestTimer, Usage, rejoin, run_answers, split_first, sse_response, until_done
 
-if TYPE_CHECKING:
-    from .api_server import Server
+
+async def answer_chat(request: Request, server: Server, engine: AsyncEngine, body: ChatCompletionRequest):
+    """The route: one chat's ``n`` answers, streamed as SSE chunks or as one body."""
+    timer = RequestTimer(server.metrics, body.n)
+    prep = prepare_chat(server, engine, body)
+    gen = server.gen_config(body, body.max_completion_tokens or body.max_tokens, len(prep.input_ids),
+                            (body.top_logprobs or 0) if body.logprobs else None, prep.response_format)
+    rid = f'chatcmpl-{secrets.token_hex(12)}'
+    stream = run_answers(server, engine, prep.input_ids, gen, body.session_id, prompt_param='messages')
+    if body.stream:
+        return await sse_response(request, server, timer, stream, ChatStream(server, body, prep, rid, timer))
+    return await until_done(request, chat_whole(server, body, prep, rid, stream, timer), timer)
 
 
 @dataclass
@@ -72,23 +78,15 @@ def prepare_chat(server: Server, engine: AsyncEngine, body: ChatCompletionReques
         else:
             prep.parse_tools = True
     try:
-        messages = to_messages(body.messages)
-        if body.do_preprocess:
-            kwargs = dict(body.chat_template_kwargs or {})
-            if tools:
-                kwargs['tools'] = [t.model_dump(exclude_none=True) for t in tools]
-            text = engine.chat_template.render(messages, add_generation_prompt=True, **kwargs)
-            prep.prompt_text = text
-            prep.input_ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            text = ''.join(m['content'] if isinstance(m['content'], str) else '' for m in messages)
-            prep.input_ids = engine.tokenizer.encode(text, add_special_tokens=True)
+        prompt = engine.encode_chat(body.messages, do_preprocess=body.do_preprocess,
+                                    tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                                    chat_template_kwargs=body.chat_template_kwargs)
     except TypeError as e:
         raise APIError(400, f'the chat template does not take these arguments: {e}',
                        param='chat_template_kwargs') from e
     except ValueError as e:
         raise APIError(400, str(e), param='messages') from e
-    server.check_prompt_len(engine, len(prep.input_ids), 'messages')
+    prep.input_ids, prep.prompt_text = list(prompt.input_ids), prompt.text
     # parsers whose markers are special tokens need them kept in the text
     if prep.parse_tools:
         server.tool_parser_cls(engine.tokenizer).adjust_request(body)

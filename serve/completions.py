@@ -1,25 +1,57 @@
 """``/v1/completions``: raw prompts (text or token ids, one or many) and their ``n`` answers each."""
 from __future__ import annotations
 
+import secrets
 import time
-from typing import TYPE_CHECKING
+
+from fastapi import Request
 
 from lmd.async_engine import AsyncEngine
 from lmd.messages import Response
 
+from .errors import APIError, as_api_error
 from .openai_protocol import CompletionRequest
-from .streaming import APIError, RequestTimer, Usage, as_api_error, rejoin, split_first
+from .server import Server
+from .streaming import (
+    RequestTimer,
+    Usage,
+    merge_streams,
+    rejoin,
+    run_answers,
+    split_first,
+    sse_response,
+    until_done,
+)
 
-if TYPE_CHECKING:
-    from .api_server import Server
+
+async def answer_completions(request: Request, server: Server, engine: AsyncEngine, body: CompletionRequest):
+    """The route: each prompt's ``n`` answers, interleaved in one SSE stream or gathered in one body."""
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, 'echo with logprobs needs the prompt tokens\' logprobs, which lmd does not '
+                            'compute; send echo or logprobs', param='echo')
+    prompts = completion_prompts(engine, body.prompt)
+    timer = RequestTimer(server.metrics, body.n * len(prompts))
+    response_format = body.response_format.to_generation_format() if body.response_format else None
+    gens = [server.gen_config(body, body.max_tokens, len(ids), body.logprobs, response_format) for ids in prompts]
+    streams = [run_answers(server, engine, ids, g, body.session_id if len(prompts) == 1 else None,
+                           prompt_param='prompt' if len(prompts) == 1 else f'prompt.{i}')
+               for i, (ids, g) in enumerate(zip(prompts, gens))]
+    rid = f'cmpl-{secrets.token_hex(12)}'
+    echo = [engine.decode(ids, skip_special_tokens=False) if not isinstance(body.prompt, str)
+            else body.prompt for ids in prompts] if body.echo else None
+    ctx = CompletionStream(server, body, rid, echo, timer, n=body.n, n_prompts=len(prompts))
+    merged = merge_streams(streams)
+    if body.stream:
+        return await sse_response(request, server, timer, merged, ctx)
+    return await until_done(request, completion_whole(ctx, merged), timer)
 
 
 def completion_prompts(engine: AsyncEngine, prompt) -> list[list[int]]:
     vocab = engine.model_info.vocab_size
     if isinstance(prompt, str):
-        rows = [engine.tokenizer.encode(prompt, add_special_tokens=True)]
+        rows = [engine.encode_text(prompt)]
     elif isinstance(prompt[0], str):
-        rows = [engine.tokenizer.encode(p, add_special_tokens=True) for p in prompt]
+        rows = [engine.encode_text(p) for p in prompt]
     elif isinstance(prompt[0], int):
         rows = [list(prompt)]
     else:

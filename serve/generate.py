@@ -3,27 +3,19 @@ cache the engine keeps between requests."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from lmd.async_engine import AsyncEngine
+from lmd.errors import PromptTooLongError
 from lmd.messages import GenerationConfig, Response
 
+from .errors import APIError, as_api_error
 from .openai_protocol import GenerateRequest
-from .streaming import (
-    MAX_USER_SESSION_ID,
-    APIError,
-    RequestTimer,
-    as_api_error,
-    rejoin,
-    split_first,
-    until_done,
-)
-
-if TYPE_CHECKING:
-    from .api_server import Server
+from .server import Server
+from .streaming import MAX_USER_SESSION_ID, RequestTimer, rejoin, split_first, until_done
 
 
 async def run_generate(request: Request, server: Server, engine: AsyncEngine, body: GenerateRequest):
@@ -32,9 +24,9 @@ async def run_generate(request: Request, server: Server, engine: AsyncEngine, bo
         raise APIError(400, f'session_id must be at most {MAX_USER_SESSION_ID}', param='session_id')
     if body.cancel:
         if sid >= 0:
-            engine.engine.abort(sid)
+            engine.abort(sid)
             if server.sessions.pop(sid, None) is not None:
-                engine.engine.end(sid)
+                engine.end(sid)
         return {'text': '', 'tokens': 0, 'input_tokens': 0, 'history_tokens': 0, 'finish_reason': 'abort'}
     continuing = sid >= 0 and server.sessions.get(sid, False)
     if body.input_ids is not None:
@@ -45,11 +37,11 @@ async def run_generate(request: Request, server: Server, engine: AsyncEngine, bo
     elif body.do_preprocess:
         ids = engine.encode(body.prompt, do_preprocess=True)
     else:
-        ids = engine.tokenizer.encode(body.prompt, add_special_tokens=not continuing)
+        ids = engine.encode_text(body.prompt, add_special_tokens=not continuing)
     if not ids:
         raise APIError(400, 'the prompt is empty', param='prompt')
     max_tokens = body.max_tokens or body.request_output_len
-    room = engine.session_len - len(ids)
+    room = engine.session_len - len(ids)  # a prompt that does not fit is refused by the engine (PromptTooLongError)
     try:
         gen = GenerationConfig(max_new_tokens=max(1, min(max_tokens or room, room)),
                                min_new_tokens=body.min_new_tokens if body.min_new_tokens <= (max_tokens or room)
@@ -74,13 +66,15 @@ async def run_generate(request: Request, server: Server, engine: AsyncEngine, bo
                 async for r in engine.generate(None, gen_config=gen, input_ids=ids, **kwargs):
                     yield r
             ok = True
+        except PromptTooLongError as e:
+            raise as_api_error(e, 'input_ids' if body.input_ids is not None else 'prompt') from e
         finally:
             if sid >= 0:
                 if ok and body.interactive_mode:
                     server.sessions[sid] = True
                 else:
                     if server.sessions.pop(sid, None) is not None and not ok:
-                        engine.engine.end(sid)
+                        engine.end(sid)
 
     def piece(r: Response) -> dict:
         out = {'text': r.text, 'tokens': r.generate_token_len, 'input_tokens': r.input_token_len,

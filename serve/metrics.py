@@ -1,7 +1,7 @@
 """The api_server's Prometheus metrics (``GET /metrics``).
 
 The engine's own counters and gauges (running and waiting requests, KV usage, prefix
-cache hits, preemptions, token counts) are read from ``Engine.stats()`` when Prometheus
+cache hits, preemptions, token counts) are read from ``AsyncEngine.stats()`` when Prometheus
 scrapes, so they cost nothing per token. Per-request latencies are histograms the
 server observes once a request ends. Names follow vLLM's, under the ``lmd:`` prefix.
 """

@@ -1,6 +1,6 @@
-"""What every api_server route shares: OpenAI's error body, SSE framing, the split between the
-first engine output (errors before it are HTTP errors) and the rest, cancellation when the
-client leaves, usage counts and the per-request latency metrics."""
+"""What every generating api_server route shares: SSE framing, the split between the first
+engine output (errors before it are HTTP errors, see ``errors.py``) and the rest, cancellation
+when the client leaves, usage counts and the per-request latency metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -9,43 +9,23 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.responses import Response as HTTPResponse
+from fastapi.responses import StreamingResponse
 
 from lmd.async_engine import AsyncEngine
+from lmd.errors import PromptTooLongError
 from lmd.messages import GenerationConfig, Response
 
+from .errors import APIError, as_api_error
 from .metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from .api_server import Server
+from .server import Server
 
 logger = logging.getLogger('lmd.serve')
 
 MAX_USER_SESSION_ID = 2**32 - 1  # AsyncEngine numbers its own requests above this
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
-                              503: 'service_unavailable'}.get(status, 'server_error')
-
-    def body(self) -> dict:
-        return {'error': {'message': self.message, 'type': self.type, 'param': self.param,
-                          'code': self.code or str(self.status)}}
-
-
-def error_response(e: APIError) -> JSONResponse:
-    headers = {'WWW-Authenticate': 'Bearer'} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def sse_event(obj: dict) -> str:
@@ -84,7 +64,6 @@ async def merge_streams(streams: list[AsyncIterator[Response]]) -> AsyncIterator
     finally:
         for t in tasks:
             t.cancel()
-
 
 
 @dataclass
@@ -169,16 +148,20 @@ class RequestTimer:
 
 
 def run_answers(server: Server, engine: AsyncEngine, input_ids: list[int], gen: GenerationConfig,
-         session_id: int | None) -> AsyncIterator[Response]:
-    """The engine's stream of one prompt's ``n`` answers, run under the concurrency limit."""
+                session_id: int | None, prompt_param: str) -> AsyncIterator[Response]:
+    """The engine's stream of one prompt's ``n`` answers, run under the concurrency limit;
+    ``prompt_param``: the request field a prompt too long for the engine is blamed on."""
     if session_id is not None and session_id > MAX_USER_SESSION_ID:
         raise APIError(400, f'session_id must be at most {MAX_USER_SESSION_ID}', param='session_id')
 
     async def stream():
         async with server.slot():
             kwargs = {} if session_id is None or gen.n > 1 else {'session_id': session_id}
-            async for r in engine.generate_n(None, gen, input_ids=input_ids, stream_response=True, **kwargs):
-                yield r
+            try:
+                async for r in engine.generate_n(None, gen, input_ids=input_ids, stream_response=True, **kwargs):
+                    yield r
+            except PromptTooLongError as e:
+                raise as_api_error(e, prompt_param) from e
     return stream()
 
 
@@ -221,14 +204,6 @@ async def until_done(request: Request, coro, timer: RequestTimer):
     finally:
         if not task.done():
             task.cancel()
-
-
-def as_api_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return APIError(500, f'{type(e).__name__}: {e}')
 
 
 async def sse_response(request: Request, server: Server, timer: RequestTimer, stream, ctx):

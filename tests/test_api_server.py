@@ -388,3 +388,38 @@ def test_health_is_503_while_loading_and_after_a_failed_load(smollm2_dir):
             time.sleep(0.05)
         r = c.get('/health')
         assert r.status_code == 503 and '/nowhere' in r.json()['error']['message']
+
+
+@pytest.mark.parametrize('backend', ['pytorch', 'turbomind'])
+def test_context_length_error_and_health_after_the_engine_stops(smollm2_dir, tmp_path, backend):
+    """The engines' one length check reaches a client as 400 context_length_exceeded naming the
+    field; /health asks the engine (AsyncEngine.is_alive) and turns 503 once its thread has ended."""
+    from fastapi.testclient import TestClient
+
+    from lmd import PytorchEngineConfig
+    from lmd.async_engine import AsyncEngine
+    from lmd.serve.api_server import Server, ServerConfig, build_app
+    from server_utils import tiny_model_dir
+
+    config = (PytorchEngineConfig if backend == 'pytorch' else TurbomindEngineConfig)(session_len=64)
+    engine = AsyncEngine(tiny_model_dir(str(tmp_path), smollm2_dir), backend_config=config)
+    server = Server(ServerConfig(model_name='m'), engine=engine)
+    with TestClient(build_app(server)) as c:
+        assert c.get('/health').status_code == 200 and engine.is_alive()
+        for path, body, param in [
+                ('/v1/chat/completions', {'messages': [{'role': 'user', 'content': 'word ' * 80}]}, 'messages'),
+                ('/v1/completions', {'prompt': 'word ' * 80}, 'prompt'),
+                ('/v1/completions', {'prompt': ['hi', 'word ' * 80], 'stream': True}, 'prompt.1'),
+                ('/generate', {'prompt': 'word ' * 80}, 'prompt'),
+                ('/generate', {'input_ids': list(range(1, 70))}, 'input_ids')]:
+            r = c.post(path, json={**body, 'max_tokens': 2})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()['error']
+            assert err['code'] == 'context_length_exceeded' and err['param'] == param, (path, err)
+            assert 'session_len=64' in err['message'], err
+        assert c.post('/v1/completions', json={'prompt': 'hi', 'max_tokens': 2}).status_code == 200
+        engine.close()  # the engine's thread ends under the running server
+        assert not engine.is_alive()
+        r = c.get('/health')
+        assert r.status_code == 503 and 'stopped' in r.json()['error']['message'], r.text
+        assert c.post('/v1/completions', json={'prompt': 'hi', 'max_tokens': 2}).status_code == 503

@@ -225,7 +225,7 @@ class _EngineHost:
         if fut is not None:
             fut.cancel()
         self.session_tails.pop(sid, None)
-        self.engine.engine.end(sid)
+        self.engine.end(sid)
         done = Response(text='', generate_token_len=0, input_token_len=0, finish_reason='stop', session_id=sid)
         sender.send(pb_utils.InferenceResponse(output_tensors=self.outputs(job, done, True)),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -309,7 +309,7 @@ class _EngineHost:
     async def _publish_stats(self) -> None:
         """The engine's gauges, refreshed for Triton's metrics endpoint."""
         while True:
-            st = self.engine.engine.stats()
+            st = self.engine.stats()
             values = {'lmd_num_requests_running': st.num_running, 'lmd_num_requests_waiting': st.num_waiting,
                       'lmd_kv_cache_usage_perc': st.kv_usage,
                       'lmd_prefix_cache_hit_tokens': st.num_prefix_hit_tokens}

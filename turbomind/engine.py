@@ -144,6 +144,10 @@ class TurbomindEngine(Engine):
     def stats(self) -> EngineStats:
         return EngineStats(**self.cpp.stats())
 
+    def is_alive(self) -> bool:
+        # the C++ engine thread runs until close(); its outputs reach callers through the reader
+        return not self.cpp.closed and self._reader.is_alive()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
