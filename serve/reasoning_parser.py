@@ -22,8 +22,8 @@ until it is whole. One parser per answer.
 """
 from __future__ import annotations
 
+from .deltas import partial_suffix
 from .registry import Registry
-from .tool_parser import partial_suffix
 
 THINK_START, THINK_END = '<think>', '</think>'
 
