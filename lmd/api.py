@@ -12,7 +12,8 @@ import threading
 from typing import Iterator
 
 from .async_engine import AsyncEngine, Session
-from .messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response, TurbomindEngineConfig
+from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
+                       TurbomindEngineConfig)
 
 Prompt = str | list[dict]
 
@@ -160,12 +161,15 @@ class Pipeline:
 
 
 def pipeline(model_path: str | None = None,
-             backend_config: PytorchEngineConfig | TurbomindEngineConfig | None = None,
+             backend_config: PytorchEngineConfig | TurbomindEngineConfig | EngineConfig | None = None,
              chat_template_config: ChatTemplateConfig | None = None,
-             backend: str | None = None, **kwargs) -> Pipeline:
+             backend: str = 'auto', **kwargs) -> Pipeline:
     """Load a model and return a Pipeline; ``model_path`` None or 'smollm2' is the embedded default.
 
     ``model_path`` is an HF directory, a .gguf file, or a hub id that is cached locally.
+    ``backend`` 'auto' (as LMDeploy) runs TurboMind where it runs the model, its format and
+    device, else the PyTorch engine; a ``TurbomindEngineConfig`` or ``PytorchEngineConfig``
+    given without a backend chooses its own engine (``lmd.backend``).
     """
     if kwargs:
         raise TypeError(f'pipeline() got unexpected arguments: {", ".join(sorted(kwargs))}')

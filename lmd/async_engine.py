@@ -10,50 +10,39 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator
 
+from .backend import CONFIGS, resolve_backend
 from .chat_template import get_chat_template, to_messages
 from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams
 from .guided import constraint_for
-from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
+from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
-from .model_path import TURBOMIND_CONFIG, prepare_model_dir
+from .model_path import prepare_model_dir
 from .tokenizer import DetokenizeState, StopStringMatcher, Tokenizer
 
 logger = logging.getLogger('lmd')
 
 
-def _turbomind_only(model_dir: str) -> bool:
-    from .model_config import ModelConfig
-    return (os.path.isfile(os.path.join(model_dir, TURBOMIND_CONFIG))
-            or ModelConfig.from_dir(model_dir).model_format != 'hf')
-
-
 def build_engine(model_dir: str, backend: str | None,
-                 backend_config: PytorchEngineConfig | TurbomindEngineConfig | None) -> Engine:
-    """The engine for ``backend`` ('pytorch' or 'turbomind'); None picks by the config's type, and
-    without a config, TurboMind for what only it runs (AWQ, W8A8, its own layout), else PyTorch."""
-    if backend is None:
-        if backend_config is None:
-            backend = 'turbomind' if _turbomind_only(model_dir) else 'pytorch'
-        else:
-            backend = 'turbomind' if isinstance(backend_config, TurbomindEngineConfig) else 'pytorch'
-    if backend not in ('pytorch', 'turbomind'):
-        raise ValueError(f"backend={backend!r} is invalid: allowed values are 'pytorch', 'turbomind'")
+                 backend_config: PytorchEngineConfig | TurbomindEngineConfig | EngineConfig | None) -> Engine:
+    """The engine for ``backend``: 'turbomind', 'pytorch', or 'auto' (None alike), which picks by the
+    config's type and, without one, TurboMind where it runs the model (``lmd.backend``). The choice
+    is logged once at INFO: the commands show it at start."""
+    backend, why = resolve_backend(model_dir, backend, backend_config)
+    config_type = CONFIGS[backend]
+    if backend_config is None:
+        backend_config = config_type()
+    elif type(backend_config) is EngineConfig:  # the shared fields alone: they suit either engine
+        backend_config = config_type(**asdict(backend_config))
+    if not isinstance(backend_config, config_type):
+        raise ValueError(f'backend {backend} needs a {config_type.__name__}, got {type(backend_config).__name__}')
+    logger.info('engine %s (%s)', backend, why)
     if backend == 'turbomind':
-        if backend_config is None:
-            backend_config = TurbomindEngineConfig()
-        if not isinstance(backend_config, TurbomindEngineConfig):
-            raise ValueError(f'backend turbomind needs a TurbomindEngineConfig, got {type(backend_config).__name__}')
         from .turbomind.engine import TurbomindEngine
         return TurbomindEngine(model_dir, backend_config)
-    if backend_config is None:
-        backend_config = PytorchEngineConfig()
-    if not isinstance(backend_config, PytorchEngineConfig):
-        raise ValueError(f'backend pytorch needs a PytorchEngineConfig, got {type(backend_config).__name__}')
     from .pytorch_backend import PytorchEngine
     return PytorchEngine(model_dir, backend_config)
 

@@ -7,38 +7,64 @@ from __future__ import annotations
 
 import sys
 
-HELP = 'Type a message and press Enter. /reset starts a new conversation, /exit leaves.'
+from .backend import check_backend
+from .messages import ChatTemplateConfig, EngineConfig, GenerationConfig
+from .prompt_loop import HELP, read_turns
 
 
-def _read(prompt: str) -> str | None:
-    try:
-        return input(prompt)
-    except EOFError:
-        return None
+def chat(model_path: str | None = None, backend: str = 'auto', chat_template: str | None = None,
+         system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
+         enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
+         num_threads: int | None = None, max_new_tokens: int = 1024, do_sample: bool = False,
+         temperature: float = 0.8, top_p: float = 1.0, top_k: int = 50, repetition_penalty: float = 1.0,
+         random_seed: int | None = None) -> None:
+    """Chat with a model in the terminal; answers stream as they are generated.
 
+    Type /reset to start a new conversation and /exit (or Ctrl-D) to leave.
 
-def run_chat(model_path, backend, engine_config, gen_config, chat_template_config=None, system=None,
-             out=sys.stdout) -> None:
+    Args:
+        model_path: an HF model directory, a .gguf file, or 'smollm2' (the default, embedded model).
+        backend: 'auto' (TurboMind where it runs the model, else PyTorch), 'turbomind' or 'pytorch'.
+        chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) to use
+            instead of the model's own.
+        system: a system prompt for the conversation.
+        session_len: the longest conversation in tokens (default: the model's context, at most 8192).
+        cache_max_entry_count: the fraction of free memory the KV cache may take.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        dtype: auto, float32, bfloat16 or float16.
+        quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
+        num_threads: CPU threads for the engine (default: all cores).
+        max_new_tokens: the most tokens one answer may have.
+        do_sample: sample instead of greedy decoding.
+        temperature: sampling temperature (with --do-sample).
+        top_p: nucleus sampling mass (with --do-sample).
+        top_k: sample among the k likeliest tokens (with --do-sample).
+        repetition_penalty: >1 discourages repeating tokens.
+        random_seed: makes sampling reproducible.
+    """
     from .api import pipeline
-    pipe = pipeline(model_path, backend_config=engine_config, chat_template_config=chat_template_config,
-                    backend=backend)
+    check_backend(backend)  # before the model loads
+    fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
+                  enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads,
+                  quant_policy=quant_policy)
+    config = EngineConfig(**{k: v for k, v in fields.items() if v is not None})
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                           top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, random_seed=random_seed)
+    template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+    pipe = pipeline(model_path, backend_config=config, chat_template_config=template, backend=backend)
+    out = sys.stdout
     try:
-        print(f'lmd chat: {pipe.async_engine.model_dir} ({backend}). {HELP}', file=out, flush=True)
+        print(f'lmd chat: {pipe.async_engine.model_dir}. {HELP}', file=out, flush=True)
         session = pipe.new_session(system)
-        while True:
-            line = _read('\n>>> ')
-            if line is None or line.strip() == '/exit':
-                break
-            message = line.strip()
-            if not message:
-                continue
-            if message == '/reset':
-                pipe.end_session(session)
-                session = pipe.new_session(system)
-                print('(new conversation)', file=out, flush=True)
-                continue
+
+        def reset():
+            nonlocal session
+            pipe.end_session(session)
+            session = pipe.new_session(system)
+
+        for message in read_turns(reset, out):
             try:
-                for r in pipe.stream_chat(message, session, gen_config):
+                for r in pipe.stream_chat(message, session, gen):
                     out.write(r.text)
                     out.flush()
                     last = r
@@ -48,7 +74,7 @@ def run_chat(model_path, backend, engine_config, gen_config, chat_template_confi
                 out.flush()
             except ValueError as e:  # e.g. the conversation outgrew session_len
                 print(f'\nlmd: {e}. Type /reset to start a new conversation.', file=out, flush=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # while an answer streams: leave (the request is aborted)
         pass
     finally:
         pipe.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
@@ -117,29 +117,9 @@ class GenerationConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_engine_common(c: str, cfg) -> None:
-    if cfg.session_len is not None:
-        _check_range(c, 'session_len', cfg.session_len, lo=1, integer=True)
-    _check_range(c, 'max_batch_size', cfg.max_batch_size, lo=1, integer=True)
-    _check_range(c, 'cache_max_entry_count', cfg.cache_max_entry_count, lo=0.0, hi=1.0, lo_open=True)
-    _check_range(c, 'cache_block_seq_len', cfg.cache_block_seq_len, lo=1, integer=True)
-    if cfg.num_cache_blocks is not None:
-        _check_range(c, 'num_cache_blocks', cfg.num_cache_blocks, lo=1, integer=True)
-    if not isinstance(cfg.enable_prefix_caching, bool):
-        _fail(c, 'enable_prefix_caching', cfg.enable_prefix_caching, 'expected True or False')
-    _check_choice(c, 'quant_policy', cfg.quant_policy, (0, 4, 8))
-    _check_range(c, 'tp', cfg.tp, lo=1, integer=True)
-    _check_choice(c, 'model_format', cfg.model_format, (None, 'hf', 'awq', 'w8a8', 'gguf'))
-    _check_choice(c, 'dtype', cfg.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
-    if cfg.max_prefill_token_num is not None:
-        _check_range(c, 'max_prefill_token_num', cfg.max_prefill_token_num, lo=1, integer=True)
-    if cfg.num_threads is not None:
-        _check_range(c, 'num_threads', cfg.num_threads, lo=1, integer=True)
-
-
 @dataclass
-class PytorchEngineConfig:
-    """The PyTorch backend's settings.
+class EngineConfig:
+    """The settings both engines share (LMDeploy's names and defaults), checked once here.
 
     ``cache_max_entry_count`` is the fraction of free memory the KV cache may take;
     ``num_cache_blocks`` overrides it with an exact block count.
@@ -157,40 +137,59 @@ class PytorchEngineConfig:
     device: str = 'cpu'
     max_prefill_token_num: int | None = 4096
     num_threads: int | None = None
+
+    def __post_init__(self):
+        c = type(self).__name__
+        if self.session_len is not None:
+            _check_range(c, 'session_len', self.session_len, lo=1, integer=True)
+        _check_range(c, 'max_batch_size', self.max_batch_size, lo=1, integer=True)
+        _check_range(c, 'cache_max_entry_count', self.cache_max_entry_count, lo=0.0, hi=1.0, lo_open=True)
+        _check_range(c, 'cache_block_seq_len', self.cache_block_seq_len, lo=1, integer=True)
+        if self.num_cache_blocks is not None:
+            _check_range(c, 'num_cache_blocks', self.num_cache_blocks, lo=1, integer=True)
+        if not isinstance(self.enable_prefix_caching, bool):
+            _fail(c, 'enable_prefix_caching', self.enable_prefix_caching, 'expected True or False')
+        _check_choice(c, 'quant_policy', self.quant_policy, (0, 4, 8))
+        _check_range(c, 'tp', self.tp, lo=1, integer=True)
+        _check_choice(c, 'model_format', self.model_format, (None, 'hf', 'awq', 'w8a8', 'gguf'))
+        _check_choice(c, 'dtype', self.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
+        if self.max_prefill_token_num is not None:
+            _check_range(c, 'max_prefill_token_num', self.max_prefill_token_num, lo=1, integer=True)
+        if self.num_threads is not None:
+            _check_range(c, 'num_threads', self.num_threads, lo=1, integer=True)
+        if not isinstance(self.device, str) or not self._device_ok(self.device):
+            _fail(c, 'device', self.device, f'allowed values are {self._devices}')
+
+    # the devices an engine takes, as the error names them, and the test (TurboMind's are fewer)
+    _devices: ClassVar[str] = "'cpu', 'cuda', 'cuda:N'"
+
+    @staticmethod
+    def _device_ok(device: str) -> bool:
+        return device.split(':')[0] in ('cpu', 'cuda')
+
+
+@dataclass
+class PytorchEngineConfig(EngineConfig):
+    """The PyTorch backend's settings: the shared ones, and its kernels and CPU cache cap."""
     kernel_backend: str | None = None  # None: by device ('native' on CPU, 'triton' on CUDA)
     max_cache_memory_gib: float | None = 4.0  # caps cache_max_entry_count on CPU, where "free" is the host's RAM
 
     def __post_init__(self):
+        super().__post_init__()
         c = 'PytorchEngineConfig'
-        _check_engine_common(c, self)
-        if not isinstance(self.device, str) or self.device.split(':')[0] not in ('cpu', 'cuda'):
-            _fail(c, 'device', self.device, "allowed values are 'cpu', 'cuda', 'cuda:N'")
         _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'native', 'triton'))
         if self.max_cache_memory_gib is not None:
             _check_range(c, 'max_cache_memory_gib', self.max_cache_memory_gib, lo=0.0, lo_open=True)
 
 
 @dataclass
-class TurbomindEngineConfig:
-    """TurboMind's settings (the C++ engine, ``lmd.turbomind``)."""
-    session_len: int | None = None
-    max_batch_size: int = 128
-    cache_max_entry_count: float = 0.8
-    cache_block_seq_len: int = 64
-    num_cache_blocks: int | None = None
-    enable_prefix_caching: bool = False
-    quant_policy: int = 0
-    tp: int = 1
-    model_format: str | None = None
-    dtype: str = 'auto'
-    device: str = 'cpu'
-    max_prefill_token_num: int | None = 4096
-    num_threads: int | None = None
+class TurbomindEngineConfig(EngineConfig):
+    """TurboMind's settings (the C++ engine, ``lmd.turbomind``): the shared ones."""
+    _devices: ClassVar[str] = "'cpu', 'cuda'"
 
-    def __post_init__(self):
-        c = 'TurbomindEngineConfig'
-        _check_engine_common(c, self)
-        _check_choice(c, 'device', self.device, ('cpu', 'cuda'))
+    @staticmethod
+    def _device_ok(device: str) -> bool:
+        return device in ('cpu', 'cuda')
 
 
 @dataclass

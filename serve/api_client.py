@@ -11,19 +11,12 @@ from __future__ import annotations
 import sys
 
 from lmd.errors import LmdError
-
-HELP = 'Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) leaves.'
+from lmd.prompt_loop import HELP, read_turns
+from lmd.runner import run_command
 
 
 class ApiClientError(LmdError):
     """The server cannot be used: down, refusing the key, or serving no model."""
-
-
-def _read(prompt: str) -> str | None:
-    try:
-        return input(prompt)
-    except EOFError:
-        return None
 
 
 def _describe(e: Exception, url: str) -> str:
@@ -53,8 +46,8 @@ def _connect(api_server_url: str, api_key: str | None, model: str | None):
 
 def run_api_client(api_server_url: str, api_key: str | None = None, model: str | None = None,
                    system: str | None = None, temperature: float = 0.7, top_p: float = 1.0,
-                   max_tokens: int = 512, out=sys.stdout) -> None:
-    """Chat in the terminal with the model served at API_SERVER_URL.
+                   max_tokens: int = 512) -> None:
+    """Chat in the terminal with any OpenAI-compatible server; /reset starts over, /exit (or Ctrl-D) leaves.
 
     Args:
         api_server_url: the server, http://HOST:PORT (a trailing /v1 is fine).
@@ -70,23 +63,16 @@ def run_api_client(api_server_url: str, api_key: str | None = None, model: str |
     from .gradio_app import ChatSettings
     ChatSettings(temperature, top_p, max_tokens)  # the same ranges as the Gradio page; raises ValueError
     client, model = _connect(api_server_url, api_key, model)
+    out = sys.stdout
     print(f'lmd api_client: {model} at {api_server_url}. {HELP}', file=out, flush=True)
     start = [{'role': 'system', 'content': system}] if system else []
     history = list(start)
-    while True:
-        try:
-            line = _read('\n>>> ')
-        except KeyboardInterrupt:
-            line = None
-        if line is None or line.strip() == '/exit':
-            break
-        message = line.strip()
-        if not message:
-            continue
-        if message == '/reset':
-            history = list(start)
-            print('(new conversation)', file=out, flush=True)
-            continue
+
+    def reset():
+        nonlocal history
+        history = list(start)
+
+    for message in read_turns(reset, out):
         messages = history + [{'role': 'user', 'content': message}]
         answer, finish_reason = [], None
         try:
@@ -119,8 +105,7 @@ def run_api_client(api_server_url: str, api_key: str | None = None, model: str |
 def main(argv: list[str] | None = None) -> int:
     """``python -m lmd.serve.api_client URL [--api-key] [--model] [--system] [--temperature] [--top-p]
     [--max-tokens]``."""
-    from lmd.cli import run_fire
-    return run_fire(run_api_client, argv, 'lmd serve api_client')
+    return run_command(run_api_client, argv, 'lmd serve api_client')
 
 
 if __name__ == '__main__':

@@ -33,6 +33,7 @@ from lmd.messages import (
     PytorchEngineConfig,
     TurbomindEngineConfig,
 )
+from lmd.runner import run_command
 
 DEFAULT_MAX_CONCURRENT = 64
 
@@ -431,11 +432,52 @@ def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', se
         chat.close()
 
 
+def serve_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', server_port: int = 6006,
+                 backend: str = 'auto', api_key: str | None = None, chat_template: str | None = None,
+                 session_len: int | None = None, cache_max_entry_count: float | None = None,
+                 enable_prefix_caching: bool | None = None, quant_policy: int | None = None, dtype: str | None = None,
+                 num_threads: int | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+                 share: bool = False) -> None:
+    """A web chat (Gradio) on a model run here, on an api_server or on Triton: streamed answers, Stop, Clear,
+    a system prompt, temperature / top-p / max-new-tokens; each browser session is its own conversation.
+
+    Args:
+        model_or_url: a model path or 'smollm2' (the default) to run here, an api_server URL http://HOST:PORT,
+            or lmd's models on a Triton Inference Server, triton://HOST:PORT[/MODEL] (its gRPC port).
+        server_name: the address the page listens on.
+        server_port: the port the page listens on.
+        backend: 'auto' (TurboMind where it runs the model, else PyTorch), 'turbomind' or 'pytorch', for a
+            local model.
+        api_key: the api_server's key, for a URL.
+        chat_template: a built-in template name instead of the model's, for a local model.
+        session_len: the longest conversation in tokens, for a local model.
+        cache_max_entry_count: the fraction of free memory the KV cache may take, for a local model.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes, for a local model.
+        quant_policy: KV cache quantization (0, 8, 4), for a local model.
+        dtype: auto, float32, bfloat16 or float16, for a local model.
+        num_threads: CPU threads for a local engine (default: all cores).
+        max_concurrent: answers generated at once, across all users.
+        share: ask Gradio for a public link (needs the internet).
+    """
+    from lmd.backend import check_backend
+    from lmd.messages import EngineConfig
+    check_backend(backend)
+    local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://', 'triton://')))
+    fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
+                  enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy, dtype=dtype,
+                  num_threads=num_threads)
+    fields = {k: v for k, v in fields.items() if v is not None}
+    # given for a URL, the engine flags, the backend and the template are an error open_chat_client names
+    config = EngineConfig(**fields) if fields else None
+    template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+    run_gradio(model_or_url, server_name=server_name, server_port=server_port,
+               backend=backend if local or backend != 'auto' else None, backend_config=config,
+               chat_template_config=template, api_key=api_key, share=share, max_concurrent=max_concurrent)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lmd.serve.gradio_app [MODEL_OR_URL] [--server-name] [--server-port] [--backend] [--api-key]
-    [--share] [--max-concurrent]``; ``lmd serve gradio`` adds the engine flags."""
-    from lmd.cli import run_fire
-    return run_fire(run_gradio, argv, 'lmd serve gradio')
+    """``python -m lmd.serve.gradio_app [MODEL_OR_URL] [flags]``, as ``lmd serve gradio``."""
+    return run_command(serve_gradio, argv, 'lmd serve gradio')
 
 
 if __name__ == '__main__':

@@ -8,6 +8,7 @@ points at the model by path; the weights are never copied.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import string
 import time
 from importlib import resources
 
-from lmd.messages import PytorchEngineConfig, TurbomindEngineConfig
+logger = logging.getLogger('lmd.serve')
 
 MODELS = ('preprocessing', 'engine', 'postprocessing', 'ensemble', 'lmd_model')
 ENSEMBLE_STEPS = ('preprocessing', 'engine', 'postprocessing')
@@ -37,7 +38,7 @@ def _models_to_write(models) -> list[str]:
     return [m for m in MODELS if m in wanted]
 
 
-def build_repository(model_path: str | None, model_repository: str, backend: str | None = None,
+def build_repository(model_path: str | None, model_repository: str, backend: str = 'auto',
                      models=MODELS, chat_template: str | None = None, postprocessing_instances: int = 1,
                      **engine_fields) -> str:
     """Write lmd's Triton models for ``model_path`` into ``model_repository``; returns its path.
@@ -45,15 +46,19 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
     ``engine_fields`` are TurbomindEngineConfig / PytorchEngineConfig fields (session_len,
     cache_max_entry_count, device...). Other models already in the repository are left alone.
     """
+    from lmd.backend import CONFIGS, check_backend, resolve_backend
+    from lmd.messages import EngineConfig
     from lmd.model_path import prepare_model_dir, resolve_model_path
 
+    check_backend(backend)
     path = resolve_model_path(model_path)
-    prepare_model_dir(path)  # fails now, not when Triton loads it; converts a GGUF once
-    backend = backend or 'turbomind'  # it runs every format lmd reads, and it is the faster engine
-    if backend not in ('turbomind', 'pytorch'):
-        raise ValueError(f"backend={backend!r} is invalid: allowed values are 'turbomind', 'pytorch'")
+    model_dir = prepare_model_dir(path)  # fails now, not when Triton loads it; converts a GGUF once
     fields = {k: v for k, v in engine_fields.items() if v is not None}
-    config = (TurbomindEngineConfig if backend == 'turbomind' else PytorchEngineConfig)(**fields)  # checks them
+    # 'auto' is decided here: the engine models are told which engine to build
+    asked = EngineConfig(**{k: v for k, v in fields.items() if k in ('model_format', 'device')})
+    backend, why = resolve_backend(model_dir, backend, asked)
+    config = CONFIGS[backend](**fields)  # checks them
+    logger.info('engine %s (%s)', backend, why)
     if not isinstance(postprocessing_instances, int) or postprocessing_instances < 1:
         raise ValueError(f'postprocessing_instances={postprocessing_instances!r} is invalid: expected >= 1')
     values = {
@@ -82,11 +87,52 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
 
 
 def serve_triton(model_path: str | None = None, model_repository: str = 'triton_repository',
-                 backend: str | None = None, models=MODELS, chat_template: str | None = None,
+                 backend: str = 'auto', models: str = ','.join(MODELS), chat_template: str | None = None,
                  launch: bool = False, server_name: str = '127.0.0.1', http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, postprocessing_instances: int = 1,
-                 **engine_fields) -> int:
-    """Write the repository; with ``launch``, run tritonserver on it until interrupted."""
+                 session_len: int | None = None, max_batch_size: int | None = None,
+                 cache_max_entry_count: float | None = None, cache_block_seq_len: int | None = None,
+                 enable_prefix_caching: bool = False, quant_policy: int = 0, model_format: str | None = None,
+                 dtype: str = 'auto', num_threads: int | None = None, device: str | None = None) -> int:
+    """Write a Triton Inference Server model repository for a model; --launch also runs tritonserver on it.
+
+    The repository holds ensemble (preprocessing -> engine -> postprocessing) and lmd_model (the whole
+    pipeline in one model); both take a prompt and stream text over gRPC (see `lmd serve triton_client`).
+    config.pbtxt files point at the model; nothing is copied. tritonserver comes from
+    pip install "lmd[triton]".
+
+    Args:
+        model_path: an HF model directory, a .gguf file, an AWQ/W8A8 directory, or 'smollm2' (the default).
+        model_repository: the folder to write (other models in it are left alone).
+        backend: the engine the models host: 'auto' (TurboMind where it runs the model, else PyTorch),
+            'turbomind' or 'pytorch'.
+        models: which models to write, separated by commas (ensemble brings its three steps).
+        chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) instead of the model's.
+        launch: start tritonserver on the repository and serve until Ctrl-C.
+        server_name: the address tritonserver listens on, with --launch.
+        http_port: tritonserver's HTTP port, with --launch.
+        grpc_port: tritonserver's gRPC port, with --launch.
+        metrics_port: tritonserver's Prometheus metrics port, with --launch.
+        postprocessing_instances: instances of the postprocessing model (detokenization).
+        session_len: the longest context in tokens (default: the model's, at most 8192).
+        max_batch_size: requests the engine runs at once.
+        cache_max_entry_count: the fraction of free memory the KV cache may take.
+        cache_block_seq_len: tokens per KV cache block.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
+        model_format: hf, awq, w8a8 or gguf (default: from the model).
+        dtype: auto, float32, bfloat16 or float16.
+        num_threads: CPU threads for the engine (default: all cores).
+        device: cpu or cuda (cuda puts the engine models in KIND_GPU instances).
+
+    Returns tritonserver's exit status with --launch, else 0.
+    """
+    # only what differs from the engine's defaults goes into the repository's engine_config
+    engine_fields = dict(session_len=session_len, max_batch_size=max_batch_size,
+                         cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
+                         enable_prefix_caching=enable_prefix_caching or None, quant_policy=quant_policy or None,
+                         model_format=model_format, dtype=None if dtype == 'auto' else dtype,
+                         num_threads=num_threads, device=device)
     repo = build_repository(model_path, model_repository, backend=backend, models=models,
                             chat_template=chat_template, postprocessing_instances=postprocessing_instances,
                             **engine_fields)

@@ -26,14 +26,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from lmd.errors import LmdError
+from lmd.prompt_loop import HELP, read_turns
+from lmd.runner import run_command
 
 DEFAULT_MODEL = 'ensemble'
 # session ids lmd's Triton models accept (AsyncEngine numbers its own requests above them)
 MAX_SESSION_ID = (1 << 32) - 1
 # how long a finished stream may take to close before it is cut
 CLOSE_TIMEOUT_S = 5.0
-
-HELP = 'Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) leaves.'
 
 # input name -> Triton datatype; every input but stop_words holds one value
 INPUT_TYPES = {
@@ -317,17 +317,10 @@ async def end_session_quietly(client: TritonChatClient, session_id: int) -> None
         pass
 
 
-def _read(prompt: str) -> str | None:
-    try:
-        return input(prompt)
-    except EOFError:
-        return None
-
-
 def run_triton_client(address: str, model: str | None = None, session_id: int | None = None,
                       system: str | None = None, max_tokens: int = 512, temperature: float | None = None,
                       top_p: float | None = None, top_k: int | None = None, repetition_penalty: float | None = None,
-                      random_seed: int | None = None, stop_words=None, out=sys.stdout) -> None:
+                      random_seed: int | None = None, stop_words=None) -> None:
     """Chat in the terminal with lmd's model on a Triton Inference Server (``lmd serve triton``).
 
     The conversation is a session on the server: it keeps the KV cache between turns, so a turn sends
@@ -358,25 +351,18 @@ def run_triton_client(address: str, model: str | None = None, session_id: int | 
     client = TritonChatClient(address, model)
     with asyncio.Runner() as runner:  # Ctrl-C during a turn cancels it: its stream closes
         runner.run(client.check())
+        out = sys.stdout
         print(f"lmd triton_client: model '{client.model}' at {client.address}. {HELP}", file=out, flush=True)
         start = [{'role': 'system', 'content': system}] if system else []
         conv = Conversation(list(start), fresh_id=session_id)
+
+        def reset():
+            nonlocal conv
+            runner.run(end_conversation(client, conv))
+            conv = Conversation(list(start))
+
         try:
-            while True:
-                try:
-                    line = _read('\n>>> ')
-                except KeyboardInterrupt:
-                    line = None
-                if line is None or line.strip() == '/exit':
-                    break
-                message = line.strip()
-                if not message:
-                    continue
-                if message == '/reset':
-                    runner.run(end_conversation(client, conv))
-                    conv = Conversation(list(start))
-                    print('(new conversation)', file=out, flush=True)
-                    continue
+            for message in read_turns(reset, out):
                 runner.run(_print_turn(client, conv, message, sampling, out))
         finally:
             runner.run(end_conversation(client, conv))
@@ -405,8 +391,7 @@ async def _print_turn(client: TritonChatClient, conv: Conversation, message: str
 def main(argv: list[str] | None = None) -> int:
     """``python -m lmd.serve.triton_client ADDRESS [--model] [--session-id] [--system] [--max-tokens]
     [--temperature] [--top-p] [--top-k] [--repetition-penalty] [--random-seed] [--stop-words]``."""
-    from lmd.cli import run_fire
-    return run_fire(run_triton_client, argv, 'lmd serve triton_client')
+    return run_command(run_triton_client, argv, 'lmd serve triton_client')
 
 
 if __name__ == '__main__':

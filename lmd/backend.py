@@ -1,0 +1,68 @@
+"""Which engine runs a model: ``backend='auto'``, the default of ``pipeline()`` and every command.
+
+As LMDeploy's ``autoget_backend``: TurboMind where it runs the model's architecture and
+weight format on the device asked for, else the PyTorch engine. The answer comes from the
+model's ``config.json`` alone, so deciding imports no engine; ``build_engine`` (in
+``async_engine.py``) builds what ``resolve_backend`` says.
+"""
+from __future__ import annotations
+
+from .messages import EngineConfig, PytorchEngineConfig, TurbomindEngineConfig
+from .model_config import ModelConfig
+
+BACKENDS = ('auto', 'turbomind', 'pytorch')
+CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'pytorch': PytorchEngineConfig}
+
+# What lmd.turbomind runs: the families turbomind/model.py builds, the weight formats
+# turbomind/converter.py reads (its own layout, written by `lmd convert --backend turbomind`,
+# declares one of them), on the devices it has kernels for (CPU only: the CUDA kernels come later).
+TURBOMIND_ARCHITECTURES = frozenset({'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM',
+                                     'Qwen3ForCausalLM'})
+TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gguf'})
+TURBOMIND_DEVICES = frozenset({'cpu'})
+
+
+def check_backend(backend: str | None) -> str:
+    """``backend`` as given ('auto' for None); ValueError naming the allowed values otherwise."""
+    backend = 'auto' if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f'backend={backend!r} is invalid: allowed values are '
+                         + ', '.join(repr(b) for b in BACKENDS))
+    return backend
+
+
+def turbomind_refusal(model_dir: str, model_format: str | None = None, device: str = 'cpu') -> str | None:
+    """Why TurboMind cannot run ``model_dir`` as asked, or None when it can."""
+    config = ModelConfig.from_dir(model_dir)
+    if config.architecture not in TURBOMIND_ARCHITECTURES:
+        return f'TurboMind does not run {config.architecture}'
+    fmt = model_format or config.model_format
+    if fmt not in TURBOMIND_FORMATS:
+        return f'TurboMind does not read model_format {fmt!r}'
+    if str(device).split(':')[0] not in TURBOMIND_DEVICES:
+        return f'TurboMind has no kernels for device {device!r}'
+    return None
+
+
+def autoget_backend(model_dir: str, model_format: str | None = None, device: str = 'cpu') -> str:
+    """'turbomind' where it runs the model, its format and the device; else 'pytorch'."""
+    return 'pytorch' if turbomind_refusal(model_dir, model_format, device) else 'turbomind'
+
+
+def resolve_backend(model_dir: str, backend: str | None, backend_config: EngineConfig | None) -> tuple[str, str]:
+    """(the engine to build, why, as the start-up line says it). An explicit backend wins; with
+    'auto' (or None) a config decides by its type, and without one ``autoget_backend`` does."""
+    backend = check_backend(backend)
+    if backend != 'auto':
+        return backend, f'backend={backend!r}'
+    if isinstance(backend_config, TurbomindEngineConfig):
+        return 'turbomind', 'a TurbomindEngineConfig'
+    if isinstance(backend_config, PytorchEngineConfig):
+        return 'pytorch', 'a PytorchEngineConfig'
+    model_format = backend_config.model_format if backend_config is not None else None
+    device = backend_config.device if backend_config is not None else 'cpu'
+    refusal = turbomind_refusal(model_dir, model_format, device)
+    if refusal:
+        return 'pytorch', f'auto: {refusal}'
+    return 'turbomind', 'auto: TurboMind runs this model'
+
