@@ -24,9 +24,8 @@ import time
 import torch
 from torch.utils.dlpack import to_dlpack as dl
 
-from lmd.turbomind import _turbomind
+from lmd.kernels import ops
 
-ops = _turbomind.ops
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152
 SHAPES = {'qkv': (960, 576), 'o': (576, 576), 'gate_up': (3072, 576), 'down': (576, 1536), 'lm_head': (49152, 576)}

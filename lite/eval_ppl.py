@@ -115,7 +115,7 @@ def _resolve_dtype(dtype: str, model_dir: str) -> torch.dtype:
 
 def _turbomind_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
     from lmd.model_config import ModelConfig
-    from lmd.turbomind import _turbomind
+    from lmd.kernels import ops
     from lmd.turbomind.converter import load_fused
     from lmd.turbomind.model import TurbomindModel
 
@@ -125,7 +125,7 @@ def _turbomind_scorer(model_dir, model_format, quant_policy, dtype, window) -> t
     num_blocks = -(-window // BLOCK_SIZE)
     model = TurbomindModel.from_fused(config, tensors, torch_dtype, num_blocks, BLOCK_SIZE, quant_policy)
     del tensors
-    _turbomind.ops.set_num_threads(torch.get_num_threads())
+    ops.set_num_threads(torch.get_num_threads())
 
     def score(ids: list[int]) -> torch.Tensor:
         # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t

@@ -149,9 +149,9 @@ class PytorchEngine(Engine):
 
         if device.type == 'cpu':
             # the engine thread gets its own OpenMP team; the loading thread's idle one would make
-            # libgomp stop spinning between kernels (see lmd.turbomind._turbomind.release_openmp_threads)
-            from lmd.turbomind import _turbomind
-            _turbomind.release_openmp_threads()
+            # libgomp stop spinning between kernels (see lmd.kernels.release_openmp_threads)
+            from lmd import kernels
+            kernels.release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name='lmd-pytorch-engine', daemon=True)
         self._thread.start()
 

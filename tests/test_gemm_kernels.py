@@ -1,5 +1,5 @@
-"""TurboMind's packed matmuls (lmd.turbomind._turbomind.ops.linear_packed, linear_w4a16_packed;
-csrc/kernels/cpu/gemm.h): each AVX2 GEMM/GEMV against its scalar C++ reference, bit for bit, over
+"""The kernel library's packed matmuls (lmd.kernels.ops.linear_packed, linear_w4a16_packed;
+lib/kernels/csrc/cpu/gemm.h): each AVX2 GEMM/GEMV against its scalar C++ reference, bit for bit, over
 a grid of shapes (tile, chunk and row-block remainders in M, N and K) and dtypes; the reference
 against torch in float64; rows independent of the batch and of the thread count; the panel
 layouts and their round trips; then the checks on bad arguments."""
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack as dl
 
-from lmd.turbomind import _turbomind, quant
+from lmd.kernels import ops
+from lmd.turbomind import quant
 
-ops = _turbomind.ops
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # the float64 result vs the reference: the inputs are exact, so only the float32 sums and
 # the output's rounding to its dtype differ

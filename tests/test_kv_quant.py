@@ -11,14 +11,13 @@ from lmd.engine import EngineRequest, SamplingParams
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.model_loader import load_weights
-from lmd.turbomind import _turbomind
+from lmd.kernels import ops
 from lmd.turbomind.engine import TurbomindEngine
 from lmd.turbomind.model import TurbomindModel
 from test_models import ARCHS, make_hf_model, random_tokens
 from test_pytorch_engine import Collector
 from test_turbomind_model import BLOCK_SIZE, tm_chunked
 
-ops = _turbomind.ops
 
 # Stated bounds (measured values in the comments), relative to the float cache's largest |logit|.
 # int8 keeps 256 levels per (token, head) row, int4 16: the int4 error is ~16x int8's.

@@ -1,4 +1,4 @@
-"""TurboMind's C++ CPU kernels (lmd.turbomind._turbomind.ops): each AVX2 kernel against its
+"""The kernel library's C++ CPU kernels (lmd.kernels.ops): each AVX2 kernel against its
 scalar C++ reference (``reference=True``) and against the torch kernels of the PyTorch
 backend, over a grid of shapes and dtypes; then the checks on bad arguments."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from torch.utils.dlpack import to_dlpack as dl
 
 from lmd.pytorch_backend.context import StepContext
 from lmd.pytorch_backend.kernels import native, torch_ops
-from lmd.turbomind import _turbomind
+from lmd import kernels
 
-ops = _turbomind.ops
+ops = kernels.ops
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
        torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -25,7 +25,7 @@ def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
 
 def test_dispatch_uses_avx2_here():
     # every machine this project runs on has AVX2/FMA/F16C; elsewhere 'ref' is the fallback
-    assert ops.isa() == ('avx2' if _turbomind.cpu_features()['avx2'] else 'ref')
+    assert ops.isa() == ('avx2' if kernels.cpu_features()['avx2'] else 'ref')
 
 
 # -- linear --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""TurboMind's quantized matmuls (lmd.turbomind._turbomind.ops): W4A16 and W8A8, each AVX2
+"""The kernel library's quantized matmuls (lmd.kernels.ops): W4A16 and W8A8, each AVX2
 kernel against its scalar C++ reference (``reference=True``) and against torch on the
 dequantized weights in float64; the layout converters (lmd.turbomind.quant) against the
 ``gguf`` package's dequantization and AWQ's definition; then the checks on bad arguments."""
@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack as dl
 
-from lmd.turbomind import _turbomind
+from lmd.kernels import ops
 from lmd.turbomind import quant
 
-ops = _turbomind.ops
 
 
 def gen(seed):

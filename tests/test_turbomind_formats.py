@@ -92,7 +92,7 @@ def save_quantized(arch: str, path: str, method: str, group_size: int = 128, sca
 
 
 def quantize_activations_per_token(model) -> None:
-    """Make each of ``model``'s layer linears see its input as W8A8 does (``csrc/kernels/cpu/quant.h``):
+    """Make each of ``model``'s layer linears see its input as W8A8 does (``lib/kernels/csrc/cpu/quant.h``):
     xq = round-half-even(x * (127 / absmax(row))), x' = xq * (absmax / 127)."""
     def hook(_, args):
         x = args[0]

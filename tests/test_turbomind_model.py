@@ -137,8 +137,9 @@ def test_bad_rows_are_clear_errors():
     with pytest.raises(ValueError, match=r'row_tables\[0, 0\] = 99 is not a block'):
         model.forward(ids, one, one, table + 99, torch.tensor([1], dtype=torch.int32), one)
     with pytest.raises(ValueError, match='missing weight layers.1.qkv'):
+        from lmd.kernels import ops
         from lmd.turbomind import _turbomind
-        tensors = {k: _turbomind.ops.HostTensor(torch.utils.dlpack.to_dlpack(v)) for k, v in model.tensors.items()
+        tensors = {k: ops.HostTensor(torch.utils.dlpack.to_dlpack(v)) for k, v in model.tensors.items()
                    if k != 'layers.1.qkv'}
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,

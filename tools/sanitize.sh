@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TurboMind's extension built with AddressSanitizer + UndefinedBehaviorSanitizer, and the
+# The kernel library's and TurboMind's extensions built with AddressSanitizer + UndefinedBehaviorSanitizer, and the
 # C++-facing tests run against it: every kernel against its reference, the model, the block
 # manager, the sampler and the engine thread. Any heap overflow, use-after-free or undefined
 # behaviour aborts the run with a report.
@@ -10,14 +10,12 @@ BUILD=${LMD_SANITIZE_BUILD:-build/sanitize}
 cmake -S . -B "$BUILD" -DLMD_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python)" >/dev/null
 cmake --build "$BUILD" -j "$(nproc)"
-ext=$(ls "$BUILD"/_turbomind*.so)
 # Python is not instrumented, so the runtimes load first; leaks are not checked (the
 # interpreter and torch keep memory to exit by design).
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-export LMD_TURBOMIND_EXT="$PWD/$ext"
+export LMD_KERNELS_EXT="$PWD/$(ls "$BUILD"/_kernels*.so)" LMD_TURBOMIND_EXT="$PWD/$(ls "$BUILD"/_turbomind*.so)"
 tests=(tests/test_native_kernels.py tests/test_quant_kernels.py tests/test_kv_quant.py tests/test_turbomind_model.py
-       tests/test_turbomind_engine.py tests/test_tm_block_manager.py tests/test_tm_sampler.py)
-[ -f tests/test_gemm_kernels.py ] && tests+=(tests/test_gemm_kernels.py)
+       tests/test_turbomind_engine.py tests/test_tm_block_manager.py tests/test_tm_sampler.py tests/test_gemm_kernels.py)
 # --capture=sys: a sanitizer report (written to fd 2) reaches the log instead of pytest's capture
 python -m pytest -q -p no:cacheprovider --capture=sys "${tests[@]}" "$@"

@@ -1,7 +1,8 @@
 """TurboMind: lmd's C++ engine (``lmd.turbomind._turbomind``); see README.md here.
 
 ``TurbomindEngine`` (``engine.py``) is the Engine interface over it; ``TurbomindModel``
-(``model.py``) the model alone, driven step by step; ``_turbomind.ops`` the CPU kernels.
+(``model.py``) the model alone, driven step by step. Its kernels are the kernel library's
+(``lmd.kernels``), linked into the extension.
 """
 import os
 
@@ -13,11 +14,6 @@ if os.environ.get('LMD_TURBOMIND_EXT'):  # another build of the extension, e.g. 
     sys.modules[_spec.name] = _turbomind
     _spec.loader.exec_module(_turbomind)
 else:
-    from . import _turbomind
+    from . import _turbomind  # imports lmd.kernels first: LlamaModel takes its HostTensors
 
 __version__ = _turbomind.__version__
-
-
-def cpu_features() -> dict:
-    """Instruction sets the CPU kernels may use here, e.g. ``{'avx2': True, ...}``."""
-    return _turbomind.cpu_features()

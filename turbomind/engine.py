@@ -24,6 +24,8 @@ from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 
+from lmd import kernels
+
 from . import _turbomind
 from .converter import load_fused
 from .model import TurbomindModel
@@ -67,7 +69,7 @@ class TurbomindEngine(Engine):
                              "CPU kernels only; use device='cpu'")
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        _turbomind.ops.set_num_threads(torch.get_num_threads())
+        kernels.ops.set_num_threads(torch.get_num_threads())
         self.config = cfg
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(cfg.dtype, mc)
@@ -98,7 +100,7 @@ class TurbomindEngine(Engine):
         # torch's OpenMP workers from loading would sit idle beside the engine thread's and make
         # libgomp stop spinning between kernels (it throttles once it manages more threads than
         # CPUs): let them go; torch starts them again if it needs them
-        _turbomind.release_openmp_threads()
+        kernels.release_openmp_threads()
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)

@@ -17,6 +17,8 @@ from lmd.model_config import ModelConfig
 from lmd.pytorch_backend.models.llama import check_weights
 from lmd.pytorch_backend.models.rope import build_cos_sin_cache
 
+from lmd.kernels import ops
+
 from . import _turbomind
 
 DTYPE_NAMES = {torch.float32: 'float32', torch.bfloat16: 'bfloat16', torch.float16: 'float16'}
@@ -113,7 +115,7 @@ def _narrowed(t: torch.Tensor) -> torch.Tensor:
 
 def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every float matmul weight [N, K] of ``fuse_weights``' output -> the panels the C++ GEMM
-    reads, [ceil(N / 16), K, 16] (``ops.pack_linear``; csrc/kernels/cpu/gemm.h), under the same
+    reads, [ceil(N / 16), K, 16] (``ops.pack_linear``; lib/kernels/csrc/cpu/gemm.h), under the same
     name, in place: each row-major copy is let go as soon as its panels exist; W4A16 ones
     (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``), the
     scales and mins in float16 where that loses nothing (a quarter fewer bytes per weight). A tied
@@ -132,13 +134,13 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         panels = (q.shape[0] + 63) // 64  # W4A16 panels are 64 wide
         qp = torch.empty(panels, q.shape[1] // 4, 64, dtype=torch.int32)
         sp, mp = (torch.empty(panels, s.shape[1], 64, dtype=s.dtype) for _ in range(2))
-        _turbomind.ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
+        ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
     for name in list(tensors):
         w = tensors[name]
         if name == 'lm_head' or (name.startswith('layers.') and name.endswith(MATMUL_SUFFIXES)):
             packed = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=w.dtype)
-            _turbomind.ops.pack_linear(to_dlpack(w), to_dlpack(packed))
+            ops.pack_linear(to_dlpack(w), to_dlpack(packed))
             tensors[name] = packed
         elif w.dim() < 3 and w.numel() * w.element_size() < SMALL_TENSOR_BYTES:
             tensors[name] = w.clone()
@@ -180,7 +182,7 @@ class TurbomindModel:
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
                    qk_norm=config.qk_norm)
-        handles = {k: _turbomind.ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
+        handles = {k: ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
         self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size, quant_policy)
 
     @property

@@ -1,6 +1,6 @@
 """TurboMind's quantized weight layouts, and converters into them from GGUF and AWQ.
 
-W4A16 (``ops.linear_w4a16``; the C++ side is ``csrc/kernels/cpu/quant.h``), for a weight
+W4A16 (``ops.linear_w4a16``; the C++ side is ``lib/kernels/csrc/cpu/quant.h``), for a weight
 ``w[N, K]`` (out_features x in_features, as ``nn.Linear``) in groups of G consecutive k:
 
     qweight: uint8   [N, K // 2]   element k of row n in byte k // 2, low nibble = even k

@@ -1,4 +1,4 @@
-"""TurboMind's C++ CPU kernels (``lmd.turbomind._turbomind.ops``) behind the dispatch table.
+"""The kernel library's C++ CPU kernels (``lmd.kernels.ops``) behind the dispatch table.
 
 They take over where torch is slow on a CPU: the matmuls (a GEMV at batch 1 that reads
 the weights at close to memory bandwidth, a thin GEMM at batch 16 where MKL wastes time
@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
-from lmd.turbomind import _turbomind
+from lmd.kernels import ops
 
 from ..context import StepContext
 from . import torch_ops
 
-ops = _turbomind.ops
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

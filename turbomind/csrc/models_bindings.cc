@@ -9,7 +9,7 @@
 
 #include "core/py_tensor.h"
 #include "engine/engine.h"
-#include "kernels/cpu/quant.h"
+#include "cpu/quant.h"
 #include "models/llama.h"
 
 namespace turbomind {
@@ -74,13 +74,13 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         result->owners.append(obj);
         return v;
     };
-    // a float matmul weight packed in panels, [ceil(N / 16), K, 16] (kernels/cpu/gemm.h)
+    // a float matmul weight packed in panels, [ceil(N / 16), K, 16] (lib/kernels/csrc/cpu/gemm.h)
     auto is_packed = [&](const std::string & name) {
         return tensors.contains(name) && !tensors[py::str(name)].is_none() &&
                view_of(tensors[py::str(name)], name.c_str()).ndim == 3;
     };
     // a matmul's weights: "<name>" (float [N, K], or packed) or "<name>.qweight/.scales[/.mins]":
-    // W4A16 (mins there; or in panels, kernels/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or
+    // W4A16 (mins there; or in panels, lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or
     // W8A8 (int8, scales [N]), with the group size G = K / scales.size(1) a multiple of 32;
     // "<name>_bias" optional
     auto linear = [&](const std::string & name, int64_t N, int64_t K) {

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/cpu/gemm.h"
-#include "kernels/cpu/kernels.h"
-#include "kernels/cpu/quant.h"
+#include "cpu/gemm.h"
+#include "cpu/kernels.h"
+#include "cpu/quant.h"
 
 namespace turbomind {
 

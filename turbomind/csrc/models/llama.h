@@ -11,6 +11,10 @@
 
 namespace turbomind {
 
+// The kernel library (lib/kernels/csrc) lives in namespace lmd: its tensors and kernels are
+// TurboMind's vocabulary, so they are named here without the prefix.
+using namespace lmd;
+
 struct LlamaConfig {
     int64_t hidden_size = 0;
     int64_t intermediate_size = 0;
@@ -26,7 +30,7 @@ struct LlamaConfig {
 // Views of the weights, fused as the kernels want them; the Python side keeps the
 // memory alive for the model's lifetime. Optional tensors have data == nullptr.
 
-// One matmul's weights (layouts in kernels/cpu/quant.h and gemm.h): float [N, K] in the model
+// One matmul's weights (layouts in lib/kernels/csrc/cpu/quant.h and gemm.h): float [N, K] in the model
 // dtype, or the same packed in panels [ceil(N / 16), K, 16] (`packed`: what turbomind/model.py
 // hands over); W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G], or the same
 // in panels 64 wide: int32 [P4, K/8, 64], float32 [P4, K/G, 64]); W8A16

@@ -1,0 +1,213 @@
+// lmd.kernels.ops: the CPU kernels, callable on any DLPack-exporting array
+// (torch.utils.dlpack.to_dlpack(t), or a HostTensor made once from such a capsule for
+// tensors passed often, like weights). Arguments are borrowed, never consumed: the
+// caller's array stays alive for the call and keeps its memory. The GIL is released
+// while a kernel runs.
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "core/dlpack.h"
+#include "core/py_tensor.h"
+#include "core/tensor.h"
+#include "cpu/kernels.h"
+
+namespace py = pybind11;
+
+namespace lmd {
+
+namespace {
+
+void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, bool reference) {
+    const TensorView x = view_of(x_h, "x"), w = view_of(w_h, "w"), y = view_of(y_h, "y");
+    TensorView bias;
+    const bool has_bias = !bias_h.is_none();
+    if (has_bias) bias = view_of(bias_h, "bias");
+    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x,
+           "must be a float 2-D [M, K] tensor with unit stride in K");
+    expect(w.ndim == 2 && w.contiguous() && is_float(w.dtype), "w", w, "must be a contiguous float [N, K] tensor");
+    expect(w.size(1) == x.size(1), "w", w, "K must match x's " + std::to_string(x.size(1)));
+    expect(y.ndim == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == w.size(0) && y.dtype == x.dtype,
+           "y", y, "must be [M, N] = [" + std::to_string(x.size(0)) + ", " + std::to_string(w.size(0)) +
+           "] with x's dtype and unit stride in N");
+    if (has_bias) {
+        expect(bias.ndim == 1 && bias.size(0) == w.size(0) && bias.contiguous() && bias.dtype == w.dtype, "bias",
+               bias, "must be [N] with w's dtype");
+    }
+    py::gil_scoped_release release;
+    cpu::linear(x, w, has_bias ? &bias : nullptr, y, reference);
+}
+
+// The caches of a float model (dtype = the model's) or, with k_params/v_params given, a
+// quantized one (uint8 rows of D codes, 8 bits, or D / 2 bytes, 4 bits): checked, and the
+// KVQuant the kernels take.
+bool check_kv_cache(const TensorView & kc, const TensorView & vc, py::handle kp_h, py::handle vp_h, DType dtype,
+                    int64_t num_kv_heads, int64_t D, cpu::KVQuant & kvq) {
+    const bool quantized = !kp_h.is_none() || !vp_h.is_none();
+    if (!quantized) {
+        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == dtype && kc.size(2) == num_kv_heads && kc.size(3) == D,
+               "k_cache", kc, "must be a contiguous [num_blocks, block_size, " + std::to_string(num_kv_heads) + ", " +
+               std::to_string(D) + "] tensor of " + dtype_name(dtype));
+    } else {
+        if (kp_h.is_none() || vp_h.is_none()) fail("k_params and v_params: give both (a quantized cache) or neither");
+        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == DType::u8 && kc.size(2) == num_kv_heads &&
+               (kc.size(3) == D || (D % 2 == 0 && kc.size(3) == D / 2)), "k_cache", kc,
+               "a quantized cache must be a contiguous uint8 [num_blocks, block_size, " + std::to_string(num_kv_heads) +
+               ", D or D / 2] tensor (8 or 4 bits), D = " + std::to_string(D));
+        kvq.bits = kc.size(3) == D ? 8 : 4;
+        kvq.k_params = view_of(kp_h, "k_params");
+        kvq.v_params = view_of(vp_h, "v_params");
+        for (const TensorView * p : {&kvq.k_params, &kvq.v_params}) {
+            expect(p->ndim == 4 && p->contiguous() && p->dtype == DType::f32 && p->size(0) == kc.size(0) &&
+                   p->size(1) == kc.size(1) && p->size(2) == kc.size(2) && p->size(3) == 2,
+                   p == &kvq.k_params ? "k_params" : "v_params", *p,
+                   "must be a contiguous float32 [num_blocks, block_size, Hk, 2] tensor (scale, zero)");
+        }
+    }
+    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype, "v_cache", vc, "must match k_cache");
+    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
+    return quantized;
+}
+
+void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
+                            float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h) {
+    const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
+    const TensorView tables = view_of(tables_h, "block_tables"), lens = view_of(lens_h, "context_lens");
+    const TensorView out = view_of(out_h, "out");
+    expect(q.ndim == 3 && q.stride(2) == 1 && is_float(q.dtype), "q", q, "must be a float [B, Hq, D] tensor with unit stride in D");
+    expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
+    cpu::KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, q.dtype, kc.size(2), q.size(2), kvq);
+    expect(q.size(1) % kc.size(2) == 0, "q", q, "heads must be a multiple of the cache's KV heads");
+    expect(tables.ndim == 2 && tables.dtype == DType::i32 && tables.stride(1) == 1 && tables.size(0) == q.size(0),
+           "block_tables", tables, "must be an int32 [B, max_blocks] tensor");
+    expect(lens.ndim == 1 && lens.dtype == DType::i32 && lens.stride(0) == 1 && lens.size(0) == q.size(0),
+           "context_lens", lens, "must be an int32 [B] tensor");
+    expect(out.ndim == 3 && out.stride(2) == 1 && out.dtype == q.dtype && out.size(0) == q.size(0) &&
+           out.size(1) == q.size(1) && out.size(2) == q.size(2), "out", out, "must have q's shape and dtype");
+    const int32_t * len = lens.ptr<int32_t>();
+    const int32_t * table = tables.ptr<int32_t>();
+    const int64_t block_size = kc.size(1), num_blocks = kc.size(0), max_blocks = tables.size(1);
+    for (int64_t b = 0; b < q.size(0); ++b) {  // a bad table must be an error, not a wild read
+        if (len[b] < 1 || (len[b] + block_size - 1) / block_size > max_blocks) {
+            fail("context_lens[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
+                 " is outside [1, " + std::to_string(max_blocks * block_size) + "]");
+        }
+        for (int64_t i = 0; i < (len[b] + block_size - 1) / block_size; ++i) {
+            const int32_t id = table[b * tables.stride(0) + i];
+            if (id < 0 || id >= num_blocks) {
+                fail("block_tables[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(id) +
+                     " is not a block of the cache (0.." + std::to_string(num_blocks - 1) + ")");
+            }
+        }
+    }
+    py::gil_scoped_release release;
+    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference);
+}
+
+void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::handle residual_h, bool reference) {
+    const TensorView x = view_of(x_h, "x"), w = view_of(w_h, "weight"), out = view_of(out_h, "out");
+    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x, "must be a float [M, H] tensor with unit stride in H");
+    expect(w.ndim == 1 && w.size(0) == x.size(1) && w.contiguous() && w.dtype == x.dtype, "weight", w,
+           "must be [H] with x's dtype");
+    expect(out.ndim == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
+           out.dtype == x.dtype, "out", out, "must have x's shape and dtype");
+    TensorView residual;
+    const bool has_residual = !residual_h.is_none();
+    if (has_residual) {
+        residual = view_of(residual_h, "residual");
+        expect(residual.ndim == 2 && residual.stride(1) == 1 && residual.size(0) == x.size(0) &&
+               residual.size(1) == x.size(1) && residual.dtype == x.dtype, "residual", residual,
+               "must have x's shape and dtype");
+    }
+    py::gil_scoped_release release;
+    cpu::rms_norm(x, w, eps, out, has_residual ? &residual : nullptr, reference);
+}
+
+void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handle k_h, py::handle v_h,
+                  py::handle slots_h, py::handle q_out_h, int64_t num_heads, int64_t num_kv_heads, bool reference,
+                  py::handle kp_h, py::handle vp_h) {
+    const TensorView qkv = view_of(qkv_h, "qkv"), pos = view_of(pos_h, "positions"), cs = view_of(cs_h, "cos_sin");
+    const TensorView kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache"), slots = view_of(slots_h, "slots");
+    const TensorView q_out = view_of(q_out_h, "q_out");
+    const int64_t T = qkv.size(0);
+    expect(q_out.ndim == 3 && q_out.contiguous() && q_out.size(0) == T && q_out.size(1) == num_heads &&
+           q_out.dtype == qkv.dtype, "q_out", q_out, "must be a contiguous [T, num_heads, D] tensor with qkv's dtype");
+    const int64_t D = q_out.size(2);
+    expect(qkv.ndim == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D &&
+           is_float(qkv.dtype), "qkv", qkv, "must be a float [T, (Hq + 2 Hk) * D] tensor with unit stride in its last dim");
+    expect(pos.ndim == 1 && pos.size(0) == T && pos.dtype == DType::i64 && pos.stride(0) == 1, "positions", pos,
+           "must be an int64 [T] tensor");
+    expect(slots.ndim == 1 && slots.size(0) == T && slots.dtype == DType::i64 && slots.stride(0) == 1, "slots", slots,
+           "must be an int64 [T] tensor");
+    expect(cs.ndim == 2 && cs.stride(1) == 1 && cs.size(1) % 2 == 0 && cs.size(1) <= D && cs.dtype == qkv.dtype,
+           "cos_sin", cs, "must be [max_position, rot] with even rot <= head_dim and qkv's dtype");
+    expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
+    cpu::KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq);
+    const int64_t num_slots = kc.size(0) * kc.size(1), max_pos = cs.size(0);
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = pos.ptr<int64_t>()[t], s = slots.ptr<int64_t>()[t];
+        if (p < 0 || p >= max_pos) fail("positions[" + std::to_string(t) + "] = " + std::to_string(p) + " is outside the rotary table (0.." + std::to_string(max_pos - 1) + ")");
+        if (s < 0 || s >= num_slots) fail("slots[" + std::to_string(t) + "] = " + std::to_string(s) + " is not a slot of the cache (0.." + std::to_string(num_slots - 1) + ")");
+    }
+    py::gil_scoped_release release;
+    cpu::rope_fill_kv(qkv, pos, cs, kc, vc, slots, q_out, num_heads, num_kv_heads, quantized ? &kvq : nullptr,
+                      reference);
+}
+
+void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
+    const TensorView x = view_of(x_h, "x"), out = view_of(out_h, "out");
+    expect(x.ndim == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && is_float(x.dtype), "x", x,
+           "must be a float [T, 2 I] tensor with unit stride in its last dim");
+    expect(out.ndim == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
+           out.dtype == x.dtype, "out", out, "must be [T, I] with x's dtype");
+    py::gil_scoped_release release;
+    cpu::silu_and_mul(x, out, reference);
+}
+
+}  // namespace
+
+void bind_quant(py::module_ & ops);  // bindings/quant.cc
+void bind_gemm(py::module_ & ops);   // bindings/gemm.cc
+
+void bind_ops(py::module_ & m) {
+    py::module_ ops = m.def_submodule("ops", "The CPU kernels on DLPack tensors");
+    py::class_<HostTensor>(ops, "HostTensor",
+                           "A tensor handed to the kernels often (a weight): parsed once from a DLPack capsule, "
+                           "which it keeps alive.")
+        .def(py::init([](py::object capsule) { return HostTensor{view_of_capsule(capsule, "tensor"), capsule}; }),
+             py::arg("capsule"))
+        .def_property_readonly("shape", [](const HostTensor & t) {
+            py::tuple s(t.view.ndim);
+            for (int i = 0; i < t.view.ndim; ++i) s[i] = t.view.shape[i];
+            return s;
+        })
+        .def_property_readonly("dtype", [](const HostTensor & t) { return dtype_name(t.view.dtype); });
+    ops.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"),
+            py::arg("reference") = false, "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]), accumulated in float32.");
+    ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+            py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
+            py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
+            "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens. With k_params and "
+            "v_params (float32 [num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 "
+            "[..., D] (8 bits) or [..., D / 2] (4 bits).");
+    ops.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+            py::arg("residual") = py::none(), py::arg("reference") = false,
+            "out = rms_norm(x) * weight; with residual: residual += x first, and the sum is normalised.");
+    ops.def("rope_fill_kv", &rope_fill_kv, py::arg("qkv"), py::arg("positions"), py::arg("cos_sin"),
+            py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("q_out"), py::arg("num_heads"),
+            py::arg("num_kv_heads"), py::arg("reference") = false, py::arg("k_params") = py::none(),
+            py::arg("v_params") = py::none(),
+            "Rotate q (into q_out) and k (into the cache at slots) of a fused qkv; copy v into the cache. With "
+            "k_params and v_params, k and v are quantized into the cache (see paged_decode_attention).");
+    ops.def("silu_and_mul", &silu_and_mul, py::arg("x"), py::arg("out"), py::arg("reference") = false,
+            "out[T, I] = silu(x[:, :I]) * x[:, I:].");
+    ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
+    ops.def("num_threads", &cpu::num_threads);
+    ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
+    bind_quant(ops);
+    bind_gemm(ops);
+}
+
+}  // namespace lmd

@@ -1,0 +1,167 @@
+// Packing and threading of the packed matmuls: shape checks live in the bindings
+// (bindings/gemm.cc), the arithmetic in gemm_ref.cc / gemm_avx2.cc / gemm_w4a16_avx2.cc.
+#include "cpu/gemm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+
+namespace lmd::cpu {
+
+namespace {
+
+bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
+
+// packed[p, k, j] = w[W p + j, k] in panels W wide, zero past N; T: an element's bits
+// (uint32_t or uint16_t).
+template <typename T>
+void pack_t(const T * w, int64_t N, int64_t K, int64_t W, T * packed) {
+    for (int64_t p = 0; p < (N + W - 1) / W; ++p) {
+        T * dst = packed + p * K * W;
+        const int64_t rows = std::min(W, N - p * W);
+        if (rows < W) std::memset(dst, 0, K * W * sizeof(T));
+        for (int64_t j = 0; j < rows; ++j) {
+            const T * src = w + (p * W + j) * K;
+            for (int64_t k = 0; k < K; ++k) dst[k * W + j] = src[k];
+        }
+    }
+}
+
+template <typename T>
+void packed_row_t(const T * packed, int64_t K, int64_t W, int64_t n, T * out) {
+    const T * src = packed + (n / W) * K * W + n % W;
+    for (int64_t k = 0; k < K; ++k) out[k] = src[k * W];
+}
+
+}  // namespace
+
+void pack_linear(const TensorView & w, const TensorView & packed) {
+    const int64_t N = w.size(0), K = w.size(1), W = packed.size(2), P = packed.size(0);
+    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, P * W / 256)));
+    parallel(threads, [&](int t, int nt) {
+        const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+        const int64_t n0 = p0 * W, n1 = std::min(N, p1 * W);
+        if (n0 >= n1) return;
+        if (dtype_size(w.dtype) == 4) {
+            pack_t(w.ptr<uint32_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint32_t>() + p0 * K * W);
+        } else {
+            pack_t(w.ptr<uint16_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint16_t>() + p0 * K * W);
+        }
+    });
+}
+
+void unpack_linear(const TensorView & packed, const TensorView & w) {
+    const int64_t N = w.size(0), K = w.size(1);
+    for (int64_t n = 0; n < N; ++n) packed_row(packed, n, static_cast<uint8_t *>(w.data) + n * K * dtype_size(w.dtype));
+}
+
+void packed_row(const TensorView & packed, int64_t n, void * out) {
+    const int64_t K = packed.size(1), W = packed.size(2);
+    if (dtype_size(packed.dtype) == 4) {
+        packed_row_t(packed.ptr<uint32_t>(), K, W, n, static_cast<uint32_t *>(out));
+    } else {
+        packed_row_t(packed.ptr<uint16_t>(), K, W, n, static_cast<uint16_t *>(out));
+    }
+}
+
+namespace {
+
+// fn(p0, p1) over runs of 16-column panels [p0, p1) (each weight is read once in all), on as
+// many threads as pay for themselves (below ~64k multiply-adds a second one costs more than it
+// saves).
+template <typename Fn>
+void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
+    const int64_t P = num_panels(N);
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), P, std::max<int64_t>(1, M * N * K >> 16)}));
+    parallel_ranges(threads, P, 1, fn);
+}
+
+// x as float32 rows for the AVX2 kernels: itself, or 16-bit activations widened once (not
+// once per panel) into `converted`. Returns the rows and sets ldx.
+const float * f32_rows(const TensorView & x, std::vector<float> & converted, int64_t & ldx) {
+    const int64_t M = x.size(0), K = x.size(1);
+    ldx = x.stride(0);
+    if (x.dtype == DType::f32) return x.ptr<float>();
+    converted.resize(M * K);
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
+    parallel(threads, [&](int t, int nt) { avx2::widen_rows(x, M * t / nt, M * (t + 1) / nt, converted.data()); });
+    ldx = K;
+    return converted.data();
+}
+
+}  // namespace
+
+void linear_packed(const TensorView & x, const TensorView & packed, const TensorView * bias, const TensorView & y,
+                   bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+    if (M == 0 || N == 0) return;
+    if (reference || !use_avx2()) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+            ref::linear_packed_rows(x, packed, bias, y, p0 * kPanelWidth, std::min(N, p1 * kPanelWidth));
+        });
+        return;
+    }
+    std::vector<float> converted;
+    int64_t ldx = 0;
+    const float * xf = f32_rows(x, converted, ldx);
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+        avx2::linear_packed_panels(xf, ldx, M, packed, bias, y, p0, p1);
+    });
+}
+
+namespace {
+
+// W4A16 qweight [N, K / 2] bytes seen as K / 8 little-endian words a row: nibble i of word c is
+// k = 8 c + i, so the words pack into panels like any [N, K / 8] matrix of 32-bit elements
+TensorView nibble_words(const TensorView & qweight) {
+    TensorView words = qweight;
+    words.dtype = DType::i32;
+    words.shape[1] = qweight.size(1) / 4;
+    return words;
+}
+
+}  // namespace
+
+void pack_w4a16(const TensorView & qweight, const TensorView & scales, const TensorView & mins,
+                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels) {
+    pack_linear(nibble_words(qweight), qpanels);
+    pack_linear(scales, spanels);
+    pack_linear(mins, mpanels);
+}
+
+void unpack_w4a16(const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
+                  const TensorView & qweight, const TensorView & scales, const TensorView & mins) {
+    unpack_linear(qpanels, nibble_words(qweight));
+    unpack_linear(spanels, scales);
+    unpack_linear(mpanels, mins);
+}
+
+void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                         const TensorView & mpanels, const TensorView * bias, const TensorView & y, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+    if (M == 0 || N == 0) return;
+    if (reference || !use_avx2()) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+            ref::linear_w4a16_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
+                                          std::min(N, p1 * kPanelWidth));
+        });
+        return;
+    }
+    std::vector<float> converted;
+    int64_t ldx = 0;
+    const float * xf = f32_rows(x, converted, ldx);
+    const int64_t G = K / spanels.size(1);
+    std::vector<float> xp(M * K), xsum(M * (K / G));
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
+    parallel(threads, [&](int t, int nt) {
+        avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
+    });
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+        avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
+    });
+}
+
+}  // namespace lmd::cpu

@@ -1,0 +1,97 @@
+// Matmuls over pre-packed weights: TurboMind's GEMM (prefill) and GEMV (decode) for float32,
+// bfloat16 and float16 weights, and for W4A16 weights (quant.h) in panels too. As in
+// kernels.h, a scalar reference (gemm_ref.cc) defines each result and an AVX2/FMA/F16C
+// version (gemm_avx2.cc, gemm_w4a16_avx2.cc; their tile: gemm_tile_avx2.h) is picked at run
+// time; gemm.cc packs and splits the work across threads.
+//
+// Packed layout, for w[N, K] (any float dtype, kept as is):
+//   packed: [P, K, 16] with P = ceil(N / 16), packed[p, k, j] = w[16 p + j, k], zero for
+//   16 p + j >= N. A panel (one p) is a contiguous [K, 16] run: the kernels read it front to
+//   back, two 8-wide vectors a k, and broadcast x[m, k] against them.
+//
+// Result: y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 1], w[n, 1], x[m, 0] * w[n, 0]) ...)
+// (+ bias[n]), one fused multiply-add a k in increasing k, in float32, then rounded once to
+// y's dtype. Nothing in it depends on M, on the tiling or on the thread count: row m of y is
+// bitwise the same whatever rows come with it, and the AVX2 kernel equals the reference
+// bit for bit (16-bit x and w widen to float32 exactly).
+//
+// W4A16 packed, for the W4A16 layout of quant.h (qweight [N, K / 2], scales and mins [N, K / G]),
+// in panels 64 wide (four of 16 interleaved k by k: the four panels of a decode tile are one
+// stream from memory), P4 = ceil(N / 64):
+//   qpanels: int32 [P4, K / 8, 64], word (p, c, j) = the eight 4-bit q[64 p + j, 8 c + i] in
+//            nibble i (i = 0..7: the bytes of qweight's row as a little-endian word)
+//   spanels, mpanels: float32 or float16 (both the same) [P4, K / G, 64], [p, g, j] =
+//   scales / mins[64 p + j, g] (zero past N); float16 when that holds them exactly (GGUF's
+//   Q4_0 / Q4_1 blocks: a quarter fewer bytes to read per weight, 0.625 instead of 0.75).
+// Result, in float32, per group g of G k (as the W4A16 kernel of quant.h, in broadcast form):
+//   D[m, n, g] = fma(xp[m, k], qp[n, k], ...) over the group's k in increasing k, from 0, where
+//                xp = x 2^(-4 j) and qp = q 2^(4 j) for j = k mod 8 < 7 (xp = x, qp = q for
+//                j = 7): their product is x q (bar x 2^-24 below the normal range), and a
+//                packed word turns into qp with one AND (gemm_w4a16_avx2.cc)
+//   X[m, g]    = the sum of x[m, k] over the group in eight lanes: lane l adds k = l mod 8 in
+//                increasing k, then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+//   T[m, n]    = fma(scales[n, g], D[m, n, g], ...) over the groups in increasing g, from 0
+//   U[m, n]    = fma(mins[n, g], X[m, g], ...) over the groups in increasing g, from 0
+//   y[m, n]    = T + U (+ bias[n]), rounded once to y's dtype.
+// The same for any M and thread count; the AVX2 kernel equals the reference bit for bit.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace lmd::cpu {
+
+constexpr int64_t kPanelWidth = 16;
+constexpr int64_t kW4A16PanelWidth = 64;
+inline int64_t num_panels(int64_t N) { return (N + kPanelWidth - 1) / kPanelWidth; }
+
+// packed[P, K, W] from w[N, K] in panels W = packed.size(2) wide (16; 64 for W4A16's parts):
+// both contiguous, one 16- or 32-bit dtype.
+void pack_linear(const TensorView & w, const TensorView & packed);
+// w[N, K] back from packed[P, K, W] (N <= W P).
+void unpack_linear(const TensorView & packed, const TensorView & w);
+// Row n of w, in packed's dtype, into out[K]: the embedding lookup of a tied, packed lm_head.
+void packed_row(const TensorView & packed, int64_t n, void * out);
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w packed; N = y.size(1) <= 16 P.
+// x, y: 2-D, unit stride in the last dim, any row stride, one dtype (f32, bf16, f16);
+// packed and bias (or null): contiguous, one dtype (f32, bf16, f16).
+void linear_packed(const TensorView & x, const TensorView & packed, const TensorView * bias, const TensorView & y,
+                   bool reference = false);
+
+// The W4A16 panels from qweight uint8 [N, K / 2], scales and mins float32 [N, K / G]; and back.
+void pack_w4a16(const TensorView & qweight, const TensorView & scales, const TensorView & mins,
+                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels);
+void unpack_w4a16(const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
+                  const TensorView & qweight, const TensorView & scales, const TensorView & mins);
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w W4A16 in panels (above); G = K / spanels.size(1),
+// a multiple of 32. x, y as for linear_packed; bias float32 [N] or null.
+void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                         const TensorView & mpanels, const TensorView * bias, const TensorView & y,
+                         bool reference = false);
+
+namespace ref {
+void linear_packed_rows(const TensorView & x, const TensorView & packed, const TensorView * bias,
+                        const TensorView & y, int64_t n0, int64_t n1);
+void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                              const TensorView & mpanels, const TensorView * bias, const TensorView & y, int64_t n0,
+                              int64_t n1);
+}  // namespace ref
+
+namespace avx2 {
+// Rows [m0, m1) of x (any float dtype) as float32 into out[M, K].
+void widen_rows(const TensorView & x, int64_t m0, int64_t m1, float * out);
+// x: float32 [M, K], row stride ldx (16-bit activations are widened once by the dispatch);
+// output panels [p0, p1).
+void linear_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & packed,
+                          const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
+// W4A16: rows [m0, m1) of x (float32, row stride ldx) as xp [M, K] and xsum [M, K / G] (above),
+// then the panels [p0, p1) from them.
+void w4a16_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int64_t m0, int64_t m1, float * xp,
+                        float * xsum);
+void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M, const TensorView & qpanels,
+                                const TensorView & spanels, const TensorView & mpanels, const TensorView * bias,
+                                const TensorView & y, int64_t p0, int64_t p1);
+}  // namespace avx2
+
+}  // namespace lmd::cpu

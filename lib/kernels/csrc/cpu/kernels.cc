@@ -1,0 +1,153 @@
+// Dispatch and threading of the CPU kernels: shape checks live in the bindings, the
+// arithmetic in kernels_ref.cc / kernels_avx2.cc; this file splits the work across threads.
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#if defined(LMD_WITH_OPENMP)
+#include <omp.h>
+#endif
+
+#include "cpu/cpu_features.h"
+
+namespace lmd::cpu {
+
+namespace {
+
+std::atomic<int> g_num_threads{0};  // 0: one per processor
+
+bool use_avx2() {
+    static const bool ok = [] {
+        const cpu_features & f = cpu_features_get();
+        return f.avx2 && f.fma && f.f16c;
+    }();
+    return ok;
+}
+
+
+}  // namespace
+
+void set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0); }
+
+int num_threads() {
+    const int n = g_num_threads.load();
+    return n > 0 ? n : cpu_features_get().num_procs;
+}
+
+const char * isa() { return use_avx2() ? "avx2" : "ref"; }
+
+void linear(const TensorView & x, const TensorView & w, const TensorView * bias, const TensorView & y,
+            bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    if (M == 0 || N == 0) return;
+    // below ~64k multiply-adds a second thread costs more than it saves
+    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, M * N * K >> 16)));
+    if (reference || !use_avx2()) {
+        parallel(threads, [&](int t, int nt) {
+            ref::linear_rows(x, w, bias, y, N * t / nt, N * (t + 1) / nt);
+        });
+        return;
+    }
+    const float * xf = x.ptr<float>();
+    int64_t ldx = x.stride(0);
+    std::vector<float> converted;
+    if (x.dtype != DType::f32) {  // 16-bit activations: widen once, not once per weight row
+        converted.resize(M * K);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t k = 0; k < K; ++k) converted[m * K + k] = load_f32(x.data, m * ldx + k, x.dtype);
+        xf = converted.data();
+        ldx = K;
+    }
+    // runs of output columns (rows of w): w is read once in all
+    constexpr int64_t kAlign = 12;  // whole tiles of 3 and of 4 rows
+    parallel_ranges(threads, N, kAlign, [&](int64_t n0, int64_t n1) {
+        avx2::linear_rows(xf, ldx, M, K, w, bias, y, n0, n1);
+    });
+}
+
+void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                            const TensorView & block_tables, const TensorView & context_lens, float scale,
+                            const TensorView & out, const KVQuant * kv_quant, bool reference) {
+    const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
+    const int64_t group = num_heads / num_kv_heads;
+    const int32_t * lens = context_lens.ptr<int32_t>();
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+    const int64_t tasks = B * num_kv_heads;
+    const bool vector = !reference && use_avx2() && q.size(2) % 8 == 0 && q.size(2) <= 256;
+    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
+#if defined(LMD_WITH_OPENMP)
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        std::vector<float> scratch(group * max_len);
+#if defined(LMD_WITH_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+            if (vector && kv_quant) {
+                avx2::decode_attention_quant_task(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                                                  *kv_quant, b, h, scratch.data());
+            } else if (vector) {
+                avx2::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, h,
+                                            scratch.data());
+            } else {
+                ref::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, kv_quant, b,
+                                           h, scratch.data());
+            }
+        }
+    }
+}
+
+namespace {
+
+// Rows split across threads when there are enough elements to pay for waking them.
+template <typename Fn>
+void for_rows(int64_t rows, int64_t elems_per_row, Fn && fn) {
+    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), rows, std::max<int64_t>(1, rows * elems_per_row >> 14)}));
+    parallel(threads, [&](int t, int nt) {
+        for (int64_t m = rows * t / nt; m < rows * (t + 1) / nt; ++m) fn(m);
+    });
+}
+
+}  // namespace
+
+void rms_norm(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+              const TensorView * residual, bool reference) {
+    const bool vector = !reference && use_avx2();
+    for_rows(x.size(0), x.size(1), [&](int64_t m) {
+        if (vector) {
+            avx2::rms_norm_row(x, w, eps, out, residual, m);
+        } else {
+            ref::rms_norm_row(x, w, eps, out, residual, m);
+        }
+    });
+}
+
+void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                  const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                  bool reference) {
+    // scalar on every CPU: a few hundred elements per token, far from any matmul's cost
+    for_rows(qkv.size(0), qkv.size(1), [&](int64_t t) {
+        ref::rope_fill_kv_row(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads,
+                              kv_quant, t);
+    });
+}
+
+void silu_and_mul(const TensorView & x, const TensorView & out, bool reference) {
+    const bool vector = !reference && use_avx2();
+    for_rows(x.size(0), x.size(1), [&](int64_t m) {
+        if (vector) {
+            avx2::silu_and_mul_row(x, out, m);
+        } else {
+            ref::silu_and_mul_row(x, out, m);
+        }
+    });
+}
+
+}  // namespace lmd::cpu

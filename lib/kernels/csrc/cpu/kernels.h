@@ -1,0 +1,103 @@
+// TurboMind's CPU kernels. Each has a scalar reference (kernels_ref.cc), the yardstick of
+// the tests, and an AVX2/FMA/F16C version (kernels_avx2.cc, compiled with those flags and
+// chosen at run time). Threads come from OpenMP: the runtime torch also uses, so the two
+// never oversubscribe the cores; set_num_threads() sets how many a kernel uses.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace lmd::cpu {
+
+// A quantized KV cache (quant_policy 8 or 4). k_cache and v_cache are uint8
+// [num_blocks, block_size, Hk, D * bits / 8] (4 bits: element 2i in the low nibble of byte i,
+// 2i + 1 in the high one); each (token, head) row of D values has its own asymmetric pair
+// (scale, zero) in k_params / v_params, float32 [num_blocks, block_size, Hk, 2]:
+//   x ≈ q * scale + zero,   scale = (max - min) / (2^bits - 1),   zero = min,
+//   q = round-half-even((x - min) * (1 / scale)) clamped to [0, 2^bits - 1]  (0 when scale is 0).
+struct KVQuant {
+    TensorView k_params, v_params;
+    int bits = 0;
+};
+
+// Row x[D] (float32) into q (D * bits / 8 bytes) and params[2]: the one quantizer of the cache.
+void kv_quantize_row(const float * x, int64_t D, int bits, uint8_t * q, float * params);
+
+inline int kv_code(const uint8_t * q, int64_t d, int bits) {
+    return bits == 8 ? q[d] : (q[d >> 1] >> ((d & 1) << 2)) & 0xF;
+}
+
+void set_num_threads(int n);
+int num_threads();
+
+// Which implementation the dispatch picks: 'avx2' where the CPU has AVX2+FMA+F16C, else 'ref'.
+const char * isa();
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]); accumulation in float32.
+// x, y: 2-D, unit stride in the last dim, any row stride; w: contiguous; bias: contiguous or null.
+// w and bias share a dtype (f32, bf16, f16); x and y share one (f32, bf16, f16).
+void linear(const TensorView & x, const TensorView & w, const TensorView * bias, const TensorView & y,
+            bool reference = false);
+
+// Decode attention over a paged cache: each of the B sequences brings one query.
+// q, out: [B, Hq, D] (unit stride in D, any stride between heads and rows);
+// k_cache, v_cache: [num_blocks, block_size, Hk, D] contiguous; block_tables: [B, max_blocks] int32;
+// context_lens: [B] int32 (tokens each query attends to, itself included).
+// q, out and the caches share a dtype; scores and softmax run in float32.
+// With kv_quant, the caches hold quantized rows (KVQuant below).
+void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                            const TensorView & block_tables, const TensorView & context_lens, float scale,
+                            const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false);
+
+// out[M, H] = rms_norm(x) * w, normalised in float32; with `residual` (same shape as x):
+// residual += x first and the sum is normalised (the pre-norm residual stream).
+// x, out, residual: unit stride in H; w: [H] contiguous; all one dtype.
+void rms_norm(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+              const TensorView * residual, bool reference = false);
+
+// NeoX-style rotary on the q and k parts of qkv[T, (Hq + 2 Hk) * D], rotated q into
+// q_out[T, Hq, D], rotated k and plain v into the caches at slots[T] (int64).
+// cos_sin: [max_position, rot] = cat(cos, sin) of rot / 2 frequencies; rot <= D (the
+// tail of each head passes through). positions: [T] int64. With kv_quant, k (rotated in
+// float32) and v are quantized into the caches (KVQuant below).
+void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                  const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads,
+                  const KVQuant * kv_quant = nullptr, bool reference = false);
+
+// out[T, I] = silu(x[:, :I]) * x[:, I:].
+void silu_and_mul(const TensorView & x, const TensorView & out, bool reference = false);
+
+namespace ref {
+void linear_rows(const TensorView & x, const TensorView & w, const TensorView * bias, const TensorView & y,
+                 int64_t n0, int64_t n1);
+void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                           const TensorView & block_tables, const TensorView & context_lens, float scale,
+                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t kv_head,
+                           float * scratch);
+void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+                  const TensorView * residual, int64_t m);
+void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                      const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                      const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                      int64_t t);
+void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);
+}  // namespace ref
+
+namespace avx2 {
+// x is float32 here (the dispatch converts 16-bit activations once, up front).
+void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const TensorView & w, const TensorView * bias,
+                 const TensorView & y, int64_t n0, int64_t n1);
+void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                           const TensorView & block_tables, const TensorView & context_lens, float scale,
+                           const TensorView & out, int64_t b, int64_t kv_head, float * scratch);
+// the same over a quantized cache (kv_quant_avx2.cc); head_dim a multiple of 8
+void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                                 const TensorView & block_tables, const TensorView & context_lens, float scale,
+                                 const TensorView & out, const KVQuant & kv_quant, int64_t b, int64_t kv_head,
+                                 float * scratch);
+void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+                  const TensorView * residual, int64_t m);
+void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);
+}  // namespace avx2
+
+}  // namespace lmd::cpu

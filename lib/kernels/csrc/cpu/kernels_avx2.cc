@@ -1,0 +1,290 @@
+// AVX2/FMA/F16C kernels. This file alone is compiled with -mavx2 -mfma -mf16c; the
+// dispatch in kernels.cc calls into it only when the CPU has all three.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "cpu/kernels.h"
+#include "cpu/simd_avx2.h"
+
+namespace lmd::cpu::avx2 {
+
+namespace {
+
+// ---- linear ------------------------------------------------------------------------------------
+
+// An MR x NR tile of y = x · wᵀ in dot-product form: both operands are read along K, each
+// of the MR * NR accumulators holds eight partial sums, reduced once at the end.
+template <int MR, int NR, typename WT, typename YT>
+inline void linear_tile(const float * x, int64_t ldx, const WT * w, int64_t K, const WT * bias,
+                        YT * y, int64_t ldy) {
+    __m256 acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NR];
+        for (int r = 0; r < NR; ++r) wv[r] = load8(w + r * K + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+            for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        for (int r = 0; r < NR; ++r) {
+            float s = hsum(acc[m][r]);
+            for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * to_f32(w[r * K + kk]);
+            if (bias) s += to_f32(bias[r]);
+            store1(y + m * ldy + r, s);
+        }
+    }
+}
+
+template <int NR, typename WT, typename YT>
+inline void linear_tile_m(int mr, const float * x, int64_t ldx, const WT * w, int64_t K, const WT * bias,
+                          YT * y, int64_t ldy) {
+    switch (mr) {
+        case 4: linear_tile<4, NR>(x, ldx, w, K, bias, y, ldy); break;
+        case 3: linear_tile<3, NR>(x, ldx, w, K, bias, y, ldy); break;
+        case 2: linear_tile<2, NR>(x, ldx, w, K, bias, y, ldy); break;
+        default: linear_tile<1, NR>(x, ldx, w, K, bias, y, ldy); break;
+    }
+}
+
+// Ask for [p, p + bytes) in L1 ahead of use: the hardware prefetcher alone lets the
+// next weight rows arrive late when each row takes ~1 us of arithmetic.
+inline void prefetch_range(const void * p, int64_t bytes) {
+    const char * c = static_cast<const char *>(p);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+template <typename WT, typename YT>
+void linear_rows_t(const float * x, int64_t ldx, int64_t M, int64_t K, const WT * w, const WT * bias,
+                   YT * y, int64_t ldy, int64_t n0, int64_t n1) {
+    if (M == 1) {  // GEMV: bound by reading w; four rows at a time keep four streams in flight
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) linear_tile<1, 4>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy);
+        for (; n < n1; ++n) linear_tile<1, 1>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy);
+        return;
+    }
+    // x rows in blocks that stay in L2 while this thread's rows of w stream past them
+    constexpr int64_t kMBlock = 64;
+    constexpr int NR = 3;
+    for (int64_t mb = 0; mb < M; mb += kMBlock) {
+        const int64_t me = mb + kMBlock < M ? mb + kMBlock : M;
+        int64_t n = n0;
+        for (; n + NR <= n1; n += NR) {
+            const WT * wn = w + n * K;
+            const WT * bn = bias ? bias + n : nullptr;
+            if (n + 2 * NR <= n1) prefetch_range(wn + NR * K, NR * K * static_cast<int64_t>(sizeof(WT)));
+            for (int64_t m = mb; m < me; m += 4) {
+                const int mr = static_cast<int>(me - m < 4 ? me - m : 4);
+                linear_tile_m<NR>(mr, x + m * ldx, ldx, wn, K, bn, y + m * ldy + n, ldy);
+            }
+        }
+        for (; n < n1; ++n) {
+            for (int64_t m = mb; m < me; m += 4) {
+                const int mr = static_cast<int>(me - m < 4 ? me - m : 4);
+                linear_tile_m<1>(mr, x + m * ldx, ldx, w + n * K, K, bias ? bias + n : nullptr, y + m * ldy + n, ldy);
+            }
+        }
+    }
+}
+
+template <typename WT>
+void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const TensorView & w,
+                   const TensorView * bias, const TensorView & y, int64_t n0, int64_t n1) {
+    const WT * wp = w.ptr<WT>();
+    const WT * bp = bias ? bias->ptr<WT>() : nullptr;
+    switch (y.dtype) {
+        case DType::f32: linear_rows_t(x, ldx, M, K, wp, bp, y.ptr<float>(), y.stride(0), n0, n1); break;
+        case DType::bf16: linear_rows_t(x, ldx, M, K, wp, bp, y.ptr<bf16>(), y.stride(0), n0, n1); break;
+        case DType::f16: linear_rows_t(x, ldx, M, K, wp, bp, y.ptr<f16>(), y.stride(0), n0, n1); break;
+        default: break;
+    }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+// One sequence, one KV head and the `group` query heads that share it; scratch holds
+// group * len scores. NV = head_dim / 8 when known at compile time (the common head
+// sizes: q and the output accumulators then live in registers), 0 for any other.
+template <typename T, int NV>
+void decode_attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                        const TensorView & block_tables, const TensorView & context_lens, float scale,
+                        const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+    const int64_t num_heads = q.size(1), D = q.size(2);
+    const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t len = context_lens.ptr<int32_t>()[b];
+    const int32_t * table = block_tables.ptr<int32_t>() + b * block_tables.stride(0);
+    const T * kc = k_cache.ptr<T>();
+    const T * vc = v_cache.ptr<T>();
+    const int64_t nv = NV ? NV : D / 8;
+    const int64_t row = num_kv_heads * D;  // elements between consecutive tokens of a block
+    const __m256 vscale = _mm256_set1_ps(scale);
+    constexpr int kRegs = NV ? NV : kMaxHeadDim / 8;
+
+    for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv_head * group + g;
+        const T * qh = q.ptr<T>() + b * q.stride(0) + h * q.stride(1);
+        __m256 qv[kRegs];
+        for (int64_t i = 0; i < nv; ++i) qv[i] = _mm256_mul_ps(load8(qh + 8 * i), vscale);
+        auto dot = [&](const T * kt) {
+            __m256 a = _mm256_mul_ps(qv[0], load8(kt));
+            for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a);
+            return a;
+        };
+        float * s = scratch + g * len;
+        // scores, block by block through the table; eight tokens share one reduction
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const T * kb = kc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
+            const int64_t tn = len - t0 < block_size ? len - t0 : block_size;
+            int64_t t = 0;
+            for (; t + 8 <= tn; t += 8) {
+                __m256 a[8];
+                for (int j = 0; j < 8; ++j) a[j] = dot(kb + (t + j) * row);
+                _mm256_storeu_ps(s + t0 + t, reduce8(a));
+            }
+            for (; t < tn; ++t) s[t0 + t] = hsum(dot(kb + t * row));
+        }
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        float max_s = -INFINITY;
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+        for (; t < len; ++t) max_s = std::fmax(max_s, s[t]);
+        {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, vmax);
+            for (float v : tmp) max_s = std::fmax(max_s, v);
+        }
+        // probabilities, unnormalised; the sum divides the output once
+        const float sum = exp_shifted(s, len, max_s);
+        __m256 acc[kRegs];
+        for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const T * vb = vc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
+            const int64_t tn = len - t0 < block_size ? len - t0 : block_size;
+            for (int64_t tt = 0; tt < tn; ++tt) {
+                const __m256 p = _mm256_set1_ps(s[t0 + tt]);
+                const T * vt = vb + tt * row;
+                for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vt + 8 * i), acc[i]);
+            }
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / sum);
+        T * oh = out.ptr<T>() + b * out.stride(0) + h * out.stride(1);
+        for (int64_t i = 0; i < nv; ++i) store8(oh + 8 * i, _mm256_mul_ps(acc[i], inv));
+    }
+}
+
+template <typename T>
+void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                        const TensorView & block_tables, const TensorView & context_lens, float scale,
+                        const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+    switch (q.size(2)) {
+        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+    }
+}
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+template <typename T>
+inline __m256 round_to(__m256 v) { return v; }  // float32: nothing to round
+template <>
+inline __m256 round_to<bf16>(__m256 v) {  // round to nearest even at bfloat16's 8 mantissa bits
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+template <>
+inline __m256 round_to<f16>(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+template <typename T>
+void rms_norm_row_t(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+                    const TensorView * residual, int64_t m) {
+    const int64_t H = x.size(1);
+    if (H % 8 != 0) return ref::rms_norm_row(x, w, eps, out, residual, m);
+    const T * src = x.ptr<T>() + m * x.stride(0);
+    if (residual) {
+        T * r = residual->ptr<T>() + m * residual->stride(0);
+        for (int64_t i = 0; i < H; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(src + i)));
+        src = r;
+    }
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < H; i += 8) {
+        const __m256 v = load8(src + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps));
+    const T * wp = w.ptr<T>();
+    T * o = out.ptr<T>() + m * out.stride(0);
+    for (int64_t i = 0; i < H; i += 8) {
+        store8(o + i, _mm256_mul_ps(load8(wp + i), round_to<T>(_mm256_mul_ps(load8(src + i), inv))));
+    }
+}
+
+template <typename T>
+void silu_and_mul_row_t(const TensorView & x, const TensorView & out, int64_t m) {
+    const int64_t I = out.size(1);
+    const T * g = x.ptr<T>() + m * x.stride(0);
+    const T * u = g + I;
+    T * o = out.ptr<T>() + m * out.stride(0);
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
+    }
+    for (; i < I; ++i) {
+        const float gv = to_f32(g[i]);
+        store1(o + i, gv / (1.f + std::exp(-gv)) * to_f32(u[i]));
+    }
+}
+
+}  // namespace
+
+void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
+                  const TensorView * residual, int64_t m) {
+    switch (x.dtype) {
+        case DType::f32: rms_norm_row_t<float>(x, w, eps, out, residual, m); break;
+        case DType::bf16: rms_norm_row_t<bf16>(x, w, eps, out, residual, m); break;
+        case DType::f16: rms_norm_row_t<f16>(x, w, eps, out, residual, m); break;
+        default: break;
+    }
+}
+
+void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m) {
+    switch (x.dtype) {
+        case DType::f32: silu_and_mul_row_t<float>(x, out, m); break;
+        case DType::bf16: silu_and_mul_row_t<bf16>(x, out, m); break;
+        case DType::f16: silu_and_mul_row_t<f16>(x, out, m); break;
+        default: break;
+    }
+}
+
+void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const TensorView & w, const TensorView * bias,
+                 const TensorView & y, int64_t n0, int64_t n1) {
+    switch (w.dtype) {
+        case DType::f32: linear_rows_w<float>(x, ldx, M, K, w, bias, y, n0, n1); break;
+        case DType::bf16: linear_rows_w<bf16>(x, ldx, M, K, w, bias, y, n0, n1); break;
+        case DType::f16: linear_rows_w<f16>(x, ldx, M, K, w, bias, y, n0, n1); break;
+        default: break;
+    }
+}
+
+void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                           const TensorView & block_tables, const TensorView & context_lens, float scale,
+                           const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+    switch (q.dtype) {
+        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        default: break;
+    }
+}
+
+}  // namespace lmd::cpu::avx2
