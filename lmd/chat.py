@@ -12,7 +12,7 @@ from .messages import ChatTemplateConfig, EngineConfig, GenerationConfig
 from .prompt_loop import HELP, read_turns
 
 
-def chat(model_path: str | None = None, backend: str = 'auto', chat_template: str | None = None,
+def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template: str | None = None,
          system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
          enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
          num_threads: int | None = None, max_new_tokens: int = 1024, do_sample: bool = False,

@@ -14,7 +14,7 @@ import sys
 from .runner import Group, lazy, run_command
 
 
-def calibrate(model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samples: int = 128,
+def calibrate(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_samples: int = 128,
               calib_seqlen: int = 512, batch_size: int = 4, dtype: str = 'float32'):
     """Run the model over calibration text layer by layer and write the statistics of what its
     linears see (per-channel max and mean of |x|, per-head K/V ranges) to WORK_DIR/calib_stats.safetensors.
@@ -33,7 +33,7 @@ def calibrate(model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_sam
     print(f'wrote {calibrate(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size, dtype)}')
 
 
-def auto_awq(model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samples: int = 128,
+def auto_awq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_samples: int = 128,
              calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False,
              w_group_size: int = 128, search_scale: bool = True, search_clip: bool = True, rtn: bool = False,
              dtype: str = 'float32'):
@@ -68,7 +68,7 @@ def auto_awq(model: str, work_dir: str, calib_dataset: str = 'pydoc', calib_samp
     print(f'wrote {path}')
 
 
-def smooth_quant(model: str, work_dir: str, alpha: float = 0.5, calib_dataset: str = 'pydoc',
+def smooth_quant(model: str, work_dir: str, *, alpha: float = 0.5, calib_dataset: str = 'pydoc',
                  calib_samples: int = 128, calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 8,
                  dtype: str = 'float32'):
     """Smooth activation outliers into the weights (SmoothQuant) and quantize the matmuls to int8
@@ -92,7 +92,7 @@ def smooth_quant(model: str, work_dir: str, alpha: float = 0.5, calib_dataset: s
     print(f'wrote {path}')
 
 
-def eval_ppl(model: str, text: str | None = None, model_format: str | None = None, quant_policy: int = 0,
+def eval_ppl(model: str, *, text: str | None = None, model_format: str | None = None, quant_policy: int = 0,
              backend: str = 'auto', dtype: str = 'float32', window: int = 512, num_windows: int = 12):
     """Perplexity on held-out text, measured the same way for every format: NUM_WINDOWS windows of
     WINDOW tokens from the start of the text, each scored alone from an empty cache.
@@ -119,7 +119,7 @@ def eval_ppl(model: str, text: str | None = None, model_format: str | None = Non
           f"{r['dtype']}; {r['windows']} x {r['window']} tokens, {r['tokens']} scored, {r['seconds']:.1f} s)")
 
 
-def convert(model_path: str, out_dir: str, backend: str | None = None, dtype: str = 'auto',
+def convert(model_path: str, out_dir: str, *, backend: str | None = None, dtype: str = 'auto',
             overwrite: bool = False):
     """Convert a model into a directory an engine loads without its source.
 

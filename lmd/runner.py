@@ -14,6 +14,7 @@ ignored), and reads a missing argument only once the function runs. Every user m
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import functools
 import importlib
@@ -209,6 +210,18 @@ def show_lmd_logs() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _show_help(fire, component, path: list[str], root: str) -> int:
+    """The help of the command at ``path`` on stdout, where a user pipes it (fire writes help to
+    stderr). A help flag anywhere asks for help only: fire would run the command first when it
+    comes after ``--``, and for a server that never ends."""
+    with contextlib.redirect_stderr(sys.stdout):
+        try:
+            fire.Fire(component, command=[*path, '--', '--help'], name=root)
+        except fire.core.FireExit as e:
+            return e.code
+    return 0
+
+
 def run_command(command: Command, argv: list[str] | None, name: str) -> int:
     """Run a command line (``argv`` None: ``sys.argv[1:]``) against ``command``; returns the exit
     status: the command's own when it returns an int, 2 for a user's mistake, 130 for Ctrl-C."""
@@ -220,9 +233,14 @@ def run_command(command: Command, argv: list[str] | None, name: str) -> int:
         command, argv, path = _resolve(command, argv, path, root)
         name = ' '.join([root, *path])
         if isinstance(command, Group):
-            fire.Fire(_nest(path, _help_object(command, name)), command=[*path, *argv], name=root)
+            component = _nest(path, _help_object(command, name))
+            if any(a in HELP_FLAGS for a in argv):
+                return _show_help(fire, component, path, root)
+            fire.Fire(component, command=[*path, *argv], name=root)
             return 0
         fn = command.load() if isinstance(command, Lazy) else command
+        if any(a in HELP_FLAGS for a in argv):
+            return _show_help(fire, _nest(path, fn), path, root)
         check_arguments(fn, argv, name)
         show_lmd_logs()
         result = []

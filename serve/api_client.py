@@ -44,7 +44,7 @@ def _connect(api_server_url: str, api_key: str | None, model: str | None):
     return client, model
 
 
-def run_api_client(api_server_url: str, api_key: str | None = None, model: str | None = None,
+def run_api_client(api_server_url: str, *, api_key: str | None = None, model: str | None = None,
                    system: str | None = None, temperature: float = 0.7, top_p: float = 1.0,
                    max_tokens: int = 512) -> None:
     """Chat in the terminal with any OpenAI-compatible server; /reset starts over, /exit (or Ctrl-D) leaves.

@@ -217,7 +217,7 @@ def _own_url(server_name: str, server_port: int) -> str:
     return f'http://{host}:{server_port}'
 
 
-def serve(model_path: str | None = None, backend: str = 'auto', server_name: str = '0.0.0.0',
+def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: str = '0.0.0.0',
           server_port: int = 23333, api_keys=None, model_name: str | None = None, chat_template: str | None = None,
           max_concurrent_requests: int | None = None, tool_call_parser: str | None = None,
           reasoning_parser: str | None = None, proxy_url: str | None = None, allow_origins=None,

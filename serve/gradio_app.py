@@ -432,7 +432,7 @@ def run_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', se
         chat.close()
 
 
-def serve_gradio(model_or_url: str | None = None, server_name: str = '0.0.0.0', server_port: int = 6006,
+def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0', server_port: int = 6006,
                  backend: str = 'auto', api_key: str | None = None, chat_template: str | None = None,
                  session_len: int | None = None, cache_max_entry_count: float | None = None,
                  enable_prefix_caching: bool | None = None, quant_policy: int | None = None, dtype: str | None = None,

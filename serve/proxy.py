@@ -357,7 +357,7 @@ def build_app(routing_strategy: str = 'min_expected_latency', api_keys=None, hea
     return app
 
 
-def proxy(server_name: str = '0.0.0.0', server_port: int = 8000, routing_strategy: str = 'min_expected_latency',
+def proxy(*, server_name: str = '0.0.0.0', server_port: int = 8000, routing_strategy: str = 'min_expected_latency',
           api_keys=None, health_check_interval: float = 5.0, health_check_timeout: float = 5.0, nodes=None,
           log_level: str = 'INFO'):
     """Serve the proxy until interrupted (``lmd serve proxy``).

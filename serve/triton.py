@@ -86,7 +86,7 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
     return os.path.abspath(model_repository)
 
 
-def serve_triton(model_path: str | None = None, model_repository: str = 'triton_repository',
+def serve_triton(model_path: str | None = None, *, model_repository: str = 'triton_repository',
                  backend: str = 'auto', models: str = ','.join(MODELS), chat_template: str | None = None,
                  launch: bool = False, server_name: str = '127.0.0.1', http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, postprocessing_instances: int = 1,

@@ -317,7 +317,7 @@ async def end_session_quietly(client: TritonChatClient, session_id: int) -> None
         pass
 
 
-def run_triton_client(address: str, model: str | None = None, session_id: int | None = None,
+def run_triton_client(address: str, *, model: str | None = None, session_id: int | None = None,
                       system: str | None = None, max_tokens: int = 512, temperature: float | None = None,
                       top_p: float | None = None, top_k: int | None = None, repetition_penalty: float | None = None,
                       random_seed: int | None = None, stop_words=None) -> None:
