@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .async_engine import AsyncEngine, Session
 from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
+
+if TYPE_CHECKING:
+    import torch
 
 Prompt = str | list[dict]
 
@@ -116,6 +119,18 @@ class Pipeline:
                 yield item
         finally:
             future.cancel()
+
+    # ---- scoring ---------------------------------------------------------------------------
+
+    def get_logits(self, input_ids: list[int] | list[list[int]]) -> list[torch.Tensor]:
+        """As LMDeploy's: a list with each sequence's teacher-forced float32 logits [len, vocab_size]
+        (``AsyncEngine.get_logits``)."""
+        return self._run(self.async_engine.get_logits(input_ids))
+
+    def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
+        """As LMDeploy's: a list with each sequence's mean negative log-likelihood in nats (the
+        cross-entropy loss; ``math.exp`` of it is the perplexity), ``AsyncEngine.get_ppl``."""
+        return self._run(self.async_engine.get_ppl(input_ids))
 
     # ---- interactive sessions -------------------------------------------------------------
 

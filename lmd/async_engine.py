@@ -12,16 +12,19 @@ import itertools
 import logging
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from .backend import CONFIGS, resolve_backend
 from .chat_template import get_chat_template, to_messages
-from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams
+from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams, token_nll
 from .guided import constraint_for
 from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
 from .model_path import prepare_model_dir
 from .tokenizer import DetokenizeState, StopStringMatcher, Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger('lmd')
 
@@ -45,6 +48,18 @@ def build_engine(model_dir: str, backend: str | None,
         return TurbomindEngine(model_dir, backend_config)
     from .pytorch_backend import PytorchEngine
     return PytorchEngine(model_dir, backend_config)
+
+
+def _id_batch(input_ids, min_len: int) -> list[list[int]]:
+    """``input_ids`` (one sequence of token ids, or a list of them) as a list of sequences."""
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:
+        raise ValueError('input_ids must be a non-empty list of token ids, or a list of such lists')
+    batch = [input_ids] if not isinstance(input_ids[0], (list, tuple)) else list(input_ids)
+    for i, ids in enumerate(batch):
+        if not isinstance(ids, (list, tuple)) or len(ids) < min_len:
+            raise ValueError(f'input_ids[{i}] must be a list of at least {min_len} token id'
+                             f'{"s" if min_len > 1 else ""}')
+    return [list(ids) for ids in batch]
 
 
 @dataclass
@@ -259,6 +274,28 @@ class AsyncEngine:
         finally:
             for t in tasks:
                 t.cancel()
+
+    # ---- scoring ---------------------------------------------------------------------------
+
+    async def get_logits(self, input_ids: list[int] | list[list[int]]) -> list[torch.Tensor]:
+        """As LMDeploy's: the teacher-forced float32 logits [len(ids), vocab_size] of each sequence
+        (one list of token ids, or a list of them), row t for the token after ``ids[:t + 1]``. Each
+        is scored alone from an empty KV cache (``Engine.get_logits``), off the event loop, beside
+        the requests being generated; ValueError for an empty or out-of-vocabulary sequence or one
+        longer than session_len."""
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(None, self.engine.get_logits, ids) for ids in _id_batch(input_ids, 1)]
+
+    async def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
+        """As LMDeploy's: for each sequence (of at least 2 tokens) the mean negative log-likelihood,
+        in nats, of its tokens 1.. given their prefix: the cross-entropy loss, whose exp is the
+        perplexity. No BOS is added: the ids are scored as given."""
+        loop = asyncio.get_running_loop()
+        out = []
+        for ids in _id_batch(input_ids, 2):
+            logits = await loop.run_in_executor(None, self.engine.get_logits, ids)
+            out.append(token_nll(logits, ids).sum().item() / (len(ids) - 1))
+        return out
 
     # ---- interactive sessions -------------------------------------------------------------
 

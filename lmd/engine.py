@@ -20,18 +20,29 @@ recompute does not replay it. A stop token of the request ends it as usual; a to
 ``constraint.stop_token_ids`` ends it with 'stop' too (the grammar is complete), and
 ``min_new_tokens`` does not hold back the stop tokens (the grammar decides when the text ends).
 A token the constraint refuses ends the request with 'error'.
+
+Scoring: ``get_logits`` runs one token sequence teacher-forced, in one forward pass, over a KV
+cache of the call's own, and returns every position's logits (``AsyncEngine.get_logits`` /
+``get_ppl`` above it, ``lmd.lite.eval_ppl``). It may be called from any thread; it blocks for the
+forward pass, and the requests in flight and the serving cache are left as they were. Logits,
+not per-token NLLs, cross the interface: ``get_logits`` needs them anyway, both engines run in
+this process so the tensor is handed over, not copied, and the NLL is then computed once, in
+float64, by ``token_nll``, so both engines' perplexities come from the same arithmetic.
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .errors import PromptTooLongError
 from .messages import FinishReason, GenerationConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from .guided import TokenConstraint
 
 
@@ -135,6 +146,7 @@ class ModelInfo:
     session_len: int
     eos_token_ids: tuple[int, ...]
     architecture: str
+    model_format: str = 'hf'  # how the weights run: 'hf' (float), 'awq', 'w8a8' or 'gguf'
 
 
 class Engine(ABC):
@@ -165,6 +177,40 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the engine thread; pending requests finish with 'abort'."""
+
+    @abstractmethod
+    def get_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits [len(token_ids), vocab_size] on the CPU: row t is the
+        distribution of the token after ``token_ids[:t + 1]``. One forward pass from an empty KV
+        cache of this call's own (see the module docstring); ValueError for ids ``scored_token_ids``
+        refuses."""
+
+
+def scored_token_ids(token_ids: Sequence[int], info: ModelInfo) -> list[int]:
+    """``token_ids`` as a list of ints if ``get_logits`` can score them, else ValueError (TypeError
+    for what is not a token id): not empty, inside the vocabulary, at most ``session_len`` long."""
+    try:
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise TypeError('get_logits takes a sequence of int token ids') from None
+    if not ids:
+        raise ValueError('get_logits: the sequence is empty; send at least one token')
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= info.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f'get_logits: token id {bad} is outside the vocabulary [0, {info.vocab_size})')
+    if len(ids) > info.session_len:
+        raise ValueError(f'get_logits: {len(ids)} tokens are more than session_len={info.session_len}; score '
+                         'shorter windows, or raise session_len in the engine config')
+    return ids
+
+
+def token_nll(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """float64 [n - 1]: -log p(token_ids[t + 1] | token_ids[:t + 1]) from ``get_logits``' rows
+    [n, vocab_size], the log-softmax taken in float64; the one definition behind every perplexity."""
+    import torch
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+    return -logprobs.gather(1, torch.tensor(list(token_ids[1:]), dtype=torch.int64)[:, None])[:, 0]
 
 
 class SessionTable:

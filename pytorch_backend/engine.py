@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
-                        SamplingParams)
+                        SamplingParams, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
@@ -132,7 +132,8 @@ class PytorchEngine(Engine):
                                    cfg.max_prefill_token_num or session_len)
         self.sampler = Sampler()
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
-                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture)
+                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
+                                    model_format=self.model_format)
 
         # engine thread only
         self._seqs: dict[int, Sequence] = {}   # every active or kept session
@@ -179,6 +180,12 @@ class PytorchEngine(Engine):
             self._cond.notify()
         if threading.current_thread() is not self._thread:  # from a callback: the loop ends after this step
             self._thread.join()
+
+    def get_logits(self, token_ids) -> torch.Tensor:
+        """The Engine interface's scoring call: run on the engine thread between two steps (it alone
+        runs the model), over a KV cache of the call's own (``ModelRunner.score``)."""
+        ids = scored_token_ids(token_ids, self.model_info)
+        return self.call_on_engine_thread(lambda engine: engine.runner.score(ids).cpu(), timeout=None)
 
     def __enter__(self):
         return self

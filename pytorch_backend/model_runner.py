@@ -151,3 +151,20 @@ class ModelRunner:
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
         return self.model.compute_logits(hidden), sample_rows
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [n, vocab] of one sequence teacher-forced in one forward pass, over a KV cache
+        of its own (the serving cache's blocks are left alone), freed after (``PytorchEngine.get_logits``)."""
+        n, bs, dev = len(token_ids), self.block_size, self.device
+        num_blocks = -(-n // bs)
+        # one sequence in blocks 0, 1, ... in order: token t sits in slot t
+        lens = torch.tensor([n], dtype=torch.int32, device=dev)
+        ctx = StepContext(kv_caches=self.model.allocate_kv_cache(num_blocks, bs, self.quant_policy), block_size=bs,
+                          slot_mapping=torch.arange(n, device=dev), query_lens=lens,
+                          cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=dev), context_lens=lens,
+                          block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+                          is_decode=n == 1, query_lens_list=[n], context_lens_list=[n],
+                          quant_policy=self.quant_policy)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        return self.model.compute_logits(self.model.forward(ids, torch.arange(n, device=dev), ctx))

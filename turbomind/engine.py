@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
-                        SessionTable)
+                        SessionTable, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
@@ -105,7 +105,8 @@ class TurbomindEngine(Engine):
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed)
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
-                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture)
+                                    eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
+                                    model_format=self.model_format)
         self._sessions = SessionTable(mc.vocab_size, session_len)
         self._callbacks: dict[int, OutputCallback] = {}
         self._lock = threading.Lock()
@@ -158,6 +159,18 @@ class TurbomindEngine(Engine):
         self.cpp.close()
         if threading.current_thread() is not self._reader:
             self._reader.join()
+
+    def get_logits(self, token_ids) -> torch.Tensor:
+        """The Engine interface's scoring call: one forward on the calling thread, beside the engine's,
+        over a twin of the model with a KV cache of its own (the weights shared), dropped after."""
+        ids = scored_token_ids(token_ids, self.model_info)
+        n, block_size = len(ids), self.model.block_size
+        num_blocks = -(-n // block_size)
+        scorer = self.model.with_own_cache(num_blocks)
+        # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
+        rows = torch.arange(n)
+        tables = torch.arange(num_blocks, dtype=torch.int32).expand(n, -1).contiguous()
+        return scorer.forward(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
 
     def __enter__(self):
         return self

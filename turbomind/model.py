@@ -9,6 +9,8 @@ alive for as long as the C++ model reads them. The KV cache lives in C++. A dire
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils.dlpack import to_dlpack
 
@@ -176,14 +178,28 @@ class TurbomindModel:
         self.config = config
         self.dtype = dtype
         self.block_size = block_size
+        self.quant_policy = quant_policy
         self.linear_formats = linear_formats(config, tensors)
         self.tensors = pack_matmuls(tensors)  # kept: C++ reads their memory
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
                    qk_norm=config.qk_norm)
+        self._cpp_config = cfg
+        self.cpp = self._new_cpp(num_blocks)
+
+    def _new_cpp(self, num_blocks: int):
         handles = {k: ops.HostTensor(to_dlpack(v)) for k, v in self.tensors.items()}
-        self.cpp = _turbomind.LlamaModel(cfg, handles, DTYPE_NAMES[dtype], num_blocks, block_size, quant_policy)
+        return _turbomind.LlamaModel(self._cpp_config, handles, DTYPE_NAMES[self.dtype], num_blocks, self.block_size,
+                                     self.quant_policy)
+
+    def with_own_cache(self, num_blocks: int) -> 'TurbomindModel':
+        """These weights (shared, not copied) over a KV cache of ``num_blocks`` blocks of its own: its
+        ``forward`` may run on another thread beside this model's (the C++ scratch buffers are per
+        thread) and never touches this model's cache (``TurbomindEngine.get_logits``)."""
+        twin = copy.copy(self)
+        twin.cpp = self._new_cpp(num_blocks)
+        return twin
 
     @property
     def num_w4a16(self) -> int:
