@@ -6,10 +6,11 @@ consecutive, non-overlapping windows of ``window`` tokens from the start; score 
 alone from an empty KV cache, teacher-forced in one forward pass: the NLL of tokens
 1 .. window - 1 given their prefix. ``ppl = exp(mean NLL over every scored token)``.
 
-Backends: 'turbomind' (the C++ model), 'pytorch' (the PyTorch engine's model), each with the
-checkpoint's format (float, AWQ, W8A8, a GGUF conversion's quantized matmuls) and
-``quant_policy`` for the KV cache; 'hf' is HF ``transformers`` on the float checkpoint, the
-reference. The engines' models run directly, one full-sequence forward per window, no sampling.
+Backends: 'turbomind' and 'pytorch', each with the checkpoint's format (float, AWQ, W8A8, a
+GGUF conversion's quantized matmuls) and ``quant_policy`` for the KV cache, built through the
+core (``lmd.pipeline``) and scored with its ``get_logits``: one full-sequence forward per window,
+no sampling (``lmd.engine.Engine.get_logits``); 'hf' is HF ``transformers`` on the float
+checkpoint, the reference. The NLL is ``lmd.engine.token_nll``'s, for all three.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
     ``seconds`` (scoring), ``load_seconds``, and the settings that ran (``backend``,
     ``model_format``, ``quant_policy``, ``dtype``).
     """
+    from lmd.engine import token_nll
     from lmd.model_path import prepare_model_dir
     from lmd.tokenizer import Tokenizer
 
@@ -55,17 +57,18 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
                          f'{window} = {need}; {len(ids) // window} windows of {window} tokens fit')
 
     start = time.perf_counter()
-    score, fmt = _SCORERS[backend](model_dir, model_format, quant_policy, dtype, window)
+    score, fmt, close = _SCORERS[backend](backend, model_dir, model_format, quant_policy, dtype, window)
     load_seconds = time.perf_counter() - start
     total_nll, num_scored = 0.0, 0
     start = time.perf_counter()
-    for w in range(num_windows):
-        chunk = ids[w * window:(w + 1) * window]
-        logits = score(chunk)
-        logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
-        total_nll -= logprobs.gather(1, torch.tensor(chunk[1:])[:, None]).sum().item()
-        num_scored += window - 1
-    seconds = time.perf_counter() - start
+    try:
+        for w in range(num_windows):
+            chunk = ids[w * window:(w + 1) * window]
+            total_nll += token_nll(score(chunk), chunk).sum().item()
+            num_scored += window - 1
+        seconds = time.perf_counter() - start
+    finally:
+        close()
     nll = total_nll / num_scored
     return dict(ppl=math.exp(nll), nll=nll, tokens=num_scored, windows=num_windows, window=window,
                 seconds=seconds, load_seconds=load_seconds, backend=backend, model_format=fmt,
@@ -107,76 +110,36 @@ def _read_text(text_file: str | None) -> str:
     return text
 
 
-def _resolve_dtype(dtype: str, model_dir: str) -> torch.dtype:
-    from lmd.model_config import ModelConfig
-    from lmd.pytorch_backend.engine import resolve_dtype
-    return resolve_dtype(dtype, ModelConfig.from_dir(model_dir))
+def _engine_scorer(backend, model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str, Callable]:
+    """The engine's own scoring call through the core: ``pipeline(...).get_logits``."""
+    from lmd.api import pipeline
+    from lmd.messages import PytorchEngineConfig, TurbomindEngineConfig
+
+    config_type = TurbomindEngineConfig if backend == 'turbomind' else PytorchEngineConfig
+    # scoring runs over a cache of its own: the serving one is left at its smallest, one window
+    config = config_type(session_len=window, cache_block_seq_len=BLOCK_SIZE, num_cache_blocks=-(-window // BLOCK_SIZE),
+                         max_batch_size=1, quant_policy=quant_policy, model_format=model_format, dtype=dtype)
+    pipe = pipeline(model_dir, backend_config=config, backend=backend)
+    return (lambda ids: pipe.get_logits(ids)[0]), pipe.async_engine.model_info.model_format, pipe.close
 
 
-def _turbomind_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
-    from lmd.model_config import ModelConfig
-    from lmd.kernels import ops
-    from lmd.turbomind.converter import load_fused
-    from lmd.turbomind.model import TurbomindModel
-
-    config = ModelConfig.from_dir(model_dir)
-    torch_dtype = _resolve_dtype(dtype, model_dir)
-    tensors, fmt = load_fused(model_dir, config, torch_dtype, model_format)
-    num_blocks = -(-window // BLOCK_SIZE)
-    model = TurbomindModel.from_fused(config, tensors, torch_dtype, num_blocks, BLOCK_SIZE, quant_policy)
-    del tensors
-    ops.set_num_threads(torch.get_num_threads())
-
-    def score(ids: list[int]) -> torch.Tensor:
-        # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
-        n = len(ids)
-        rows = torch.arange(n)
-        tables = torch.arange(-(-n // BLOCK_SIZE), dtype=torch.int32).expand(n, -1).contiguous()
-        return model.forward(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
-    return score, fmt
-
-
-def _pytorch_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
-    from lmd.model_config import ModelConfig
-    from lmd.pytorch_backend.context import StepContext
-    from lmd.pytorch_backend.engine import load_model_weights
-    from lmd.pytorch_backend.models import build_model
-
-    config = ModelConfig.from_dir(model_dir)
-    torch_dtype = _resolve_dtype(dtype, model_dir)
-    weights, quantized, fmt = load_model_weights(model_dir, config, model_format, torch_dtype)
-    model = build_model(config, weights, torch_dtype, 'cpu', None, quantized)
-    del weights, quantized
-    model.kernels.set_num_threads(torch.get_num_threads())
-    num_blocks = -(-window // BLOCK_SIZE)
-    caches = model.allocate_kv_cache(num_blocks, BLOCK_SIZE, quant_policy)
-
-    def score(ids: list[int]) -> torch.Tensor:
-        n = len(ids)
-        lens = torch.tensor([n], dtype=torch.int32)
-        ctx = StepContext(kv_caches=caches, block_size=BLOCK_SIZE, slot_mapping=torch.arange(n), query_lens=lens,
-                          cu_query_lens=torch.tensor([0, n], dtype=torch.int32), context_lens=lens,
-                          block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], is_decode=n == 1,
-                          query_lens_list=[n], context_lens_list=[n], quant_policy=quant_policy)
-        return model.compute_logits(model.forward(torch.tensor(ids), torch.arange(n), ctx))
-    return score, fmt
-
-
-def _hf_scorer(model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str]:
+def _hf_scorer(backend, model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str, Callable]:
     import transformers
 
     from lmd.model_config import ModelConfig
-    declared = ModelConfig.from_dir(model_dir).model_format
-    if declared != 'hf' or model_format not in (None, 'hf'):
+    config = ModelConfig.from_dir(model_dir)
+    if config.model_format != 'hf' or model_format not in (None, 'hf'):
         raise ValueError(f"backend 'hf' is the float reference: it reads float checkpoints only, and {model_dir} "
-                         f"is {declared!r} (model_format={model_format!r}); use backend 'turbomind' or 'pytorch'")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, model_dir))
+                         f"is {config.model_format!r} (model_format={model_format!r}); use backend 'turbomind' or "
+                         "'pytorch'")
+    torch_dtype = getattr(torch, config.torch_dtype if dtype == 'auto' else dtype)  # 'auto': the checkpoint's
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()
 
     @torch.inference_mode()
     def score(ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
-    return score, 'hf'
+    return score, 'hf', lambda: None
 
 
-_SCORERS = {'turbomind': _turbomind_scorer, 'pytorch': _pytorch_scorer, 'hf': _hf_scorer}
+_SCORERS = {'turbomind': _engine_scorer, 'pytorch': _engine_scorer, 'hf': _hf_scorer}
