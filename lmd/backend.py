@@ -13,9 +13,10 @@ from .model_config import ModelConfig
 BACKENDS = ('auto', 'turbomind', 'pytorch')
 CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'pytorch': PytorchEngineConfig}
 
-# What lmd.turbomind runs: the families turbomind/model.py builds, the weight formats
-# turbomind/converter.py reads (its own layout, written by `lmd convert --backend turbomind`,
-# declares one of them), on the devices it has kernels for (CPU only: the CUDA kernels come later).
+# What lmd.turbomind runs: the families turbomind/model.py builds, the weight formats it reads
+# (lmd.weights.turbomind_layout.load_fused; its own layout, written by `lmd convert --backend
+# turbomind`, declares one of them), on the devices it has kernels for (CPU only: the CUDA kernels
+# come later).
 TURBOMIND_ARCHITECTURES = frozenset({'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM',
                                      'Qwen3ForCausalLM'})
 TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gguf'})

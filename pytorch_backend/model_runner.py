@@ -5,51 +5,10 @@ token counts, and this file turns them into tensors once per step.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from .context import StepContext
 from .scheduler import SchedulerOutput
-
-logger = logging.getLogger('lmd.pytorch_backend')
-
-_GIB = 1 << 30
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory the KV cache may come out of: free GPU memory, or the host's available RAM."""
-    if device.type == 'cuda':
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open('/proc/meminfo', encoding='ascii') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-
-
-def num_cache_blocks_for(model, device: torch.device, block_size: int, cache_max_entry_count: float,
-                         max_cache_memory_gib: float | None, min_num_blocks: int, quant_policy: int = 0) -> int:
-    """How many blocks ``cache_max_entry_count`` of free memory holds (capped on CPU), at least ``min_num_blocks``."""
-    budget = available_memory_bytes(device) * cache_max_entry_count
-    if device.type == 'cpu' and max_cache_memory_gib is not None:
-        budget = min(budget, max_cache_memory_gib * _GIB)
-    per_block = model.kv_cache_bytes_per_block(block_size, quant_policy)
-    num_blocks = int(budget // per_block)
-    if num_blocks < min_num_blocks:
-        logger.warning('KV cache: %d blocks fit in %.2f GiB, fewer than one session needs; allocating %d',
-                       num_blocks, budget / _GIB, min_num_blocks)
-        num_blocks = min_num_blocks
-    return num_blocks
 
 
 class ModelRunner:

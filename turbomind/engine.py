@@ -23,26 +23,19 @@ from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelI
 from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
+from lmd.weights.dtype import resolve_dtype
+from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
+from lmd.weights.turbomind_layout import load_fused
 
 from lmd import kernels
 
 from . import _turbomind
-from .converter import load_fused
 from .model import TurbomindModel
 
 logger = logging.getLogger('lmd.turbomind')
 
-DEFAULT_MAX_SESSION_LEN = 8192
 # On a CPU, "free memory" is the host's RAM: cap what cache_max_entry_count may take of it.
 MAX_CPU_CACHE_BYTES = 4 << 30
-
-
-def kv_row_bytes(head_dim: int, dtype: torch.dtype, quant_policy: int) -> int:
-    """Bytes of one token's K (or V) for one KV head: the model dtype, or int8 / int4 codes
-    and a float32 (scale, zero) pair under quant_policy 8 / 4."""
-    if quant_policy:
-        return head_dim * quant_policy // 8 + 8
-    return head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _sampling_dict(sp: SamplingParams) -> dict:
@@ -55,12 +48,10 @@ def _sampling_dict(sp: SamplingParams) -> dict:
 
 class TurbomindEngine(Engine):
     """``model_dir``: an HF directory (float, AWQ or W8A8 checkpoint, GGUF conversion) or one in
-    TurboMind's own layout; ``config.model_format`` None reads each as it is (``converter.py``)."""
+    TurboMind's own layout; ``config.model_format`` None reads each as it is
+    (``lmd.weights.turbomind_layout.load_fused``)."""
 
     def __init__(self, model_dir: str, config: TurbomindEngineConfig | None = None):
-        from lmd.pytorch_backend.engine import resolve_dtype
-        from lmd.pytorch_backend.model_runner import available_memory_bytes
-
         cfg = config or TurbomindEngineConfig()
         if cfg.tp != 1:
             raise ValueError(f'TurbomindEngineConfig.tp={cfg.tp} is invalid: TurboMind runs on one device (tp=1)')
@@ -75,18 +66,14 @@ class TurbomindEngine(Engine):
         self.dtype = resolve_dtype(cfg.dtype, mc)
 
         block_size = cfg.cache_block_seq_len
-        session_len = cfg.session_len or min(mc.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
-        per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * kv_row_bytes(mc.head_dim, self.dtype,
-                                                                                    cfg.quant_policy)
+        session_len = default_session_len(mc, cfg.session_len)
         if cfg.num_cache_blocks is not None:
             num_blocks = cfg.num_cache_blocks
         else:
-            budget = min(available_memory_bytes(torch.device('cpu')) * cfg.cache_max_entry_count, MAX_CPU_CACHE_BYTES)
-            num_blocks = max(int(budget // per_block), (session_len + block_size - 1) // block_size)
-        if num_blocks * block_size < session_len:
-            logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
-                           session_len, num_blocks * block_size, num_blocks, block_size)
-            session_len = num_blocks * block_size
+            num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy),
+                                                torch.device('cpu'), cfg.cache_max_entry_count, MAX_CPU_CACHE_BYTES,
+                                                session_len, block_size)
+        session_len = fit_session_len(session_len, num_blocks, block_size)
         self.session_len = session_len
 
         # float, GGUF (its 4-bit matmuls and Q8_0 head as they are), AWQ, W8A8, or TurboMind's own layout

@@ -1,11 +1,12 @@
 """The C++ model (``_turbomind.LlamaModel``) built from HF-named weights.
 
-Weights are fused as TurboMind's kernels want them (q/k/v into one ``qkv``, gate/up
-into one ``gate_up``; quantized matmuls as ``<name>.qweight/.scales[/.mins]``, see
-``quant.py``) and handed to C++ as DLPack views; this object keeps the torch tensors
+Weights are fused by the weights layer (``lmd.weights.schema.fuse_weights``: q/k/v into one
+``qkv``, gate/up into one ``gate_up``; quantized matmuls as ``<name>.qweight/.scales[/.mins]``,
+``lmd.weights.quant_layouts``), packed here into the panels TurboMind's GEMM reads
+(``pack_matmuls``) and handed to C++ as DLPack views; this object keeps the torch tensors
 alive for as long as the C++ model reads them. The KV cache lives in C++. A directory
 ``lmd convert --backend turbomind`` wrote holds the fused tensors already
-(``converter.py``; ``TurbomindModel.from_fused``).
+(``lmd.weights.turbomind_layout``; ``TurbomindModel.from_fused``).
 """
 from __future__ import annotations
 
@@ -14,98 +15,15 @@ import copy
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
-from lmd.pytorch_backend.models.llama import check_weights
-from lmd.pytorch_backend.models.rope import build_cos_sin_cache
+from lmd.weights.dtype import DTYPE_NAMES
+from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
 from lmd.kernels import ops
 
 from . import _turbomind
 
-DTYPE_NAMES = {torch.float32: 'float32', torch.bfloat16: 'bfloat16', torch.float16: 'float16'}
-
-
-MATMUL_SUFFIXES = ('.qkv', '.o', '.gate_up', '.down')
 SMALL_TENSOR_BYTES = 16 << 20
-
-
-def _quant_format(parts: tuple[torch.Tensor, ...]) -> str:
-    """The format of a matmul weight in a TurboMind quantized layout (``quant.py``)."""
-    if len(parts) == 3:
-        return 'w4a16'
-    return 'w8a8' if parts[1].dim() == 1 else 'w8a16'
-
-
-def _dense_shape(parts: tuple[torch.Tensor, ...]) -> tuple[int, int]:
-    """[N, K] of the weight a quantized tuple stands for."""
-    n, cols = parts[0].shape
-    return n, cols * 2 if len(parts) == 3 else cols
-
-
-def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 quantized: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
-    """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...).
-
-    ``quantized``: HF weight name (``...q_proj.weight``, ``lm_head.weight``) -> its weight in a
-    TurboMind layout (``quant.py``): (qweight, scales, mins) W4A16, (qweight int8, scales [N, K/G])
-    W8A16 or (qweight int8, scales [N]) W8A8. A fused matmul whose parts are all quantized alike
-    runs so (``<name>.qweight``, ``.scales``, ``.mins``; bias float32); else in float from
-    ``weights`` (a GGUF conversion has both). The embedding lookup always reads the float rows.
-    """
-    quantized = quantized or {}
-    # quantized-only weights (AWQ, W8A8) are checked by the shape they stand for
-    check_weights(config, {**weights, **{n: torch.empty(_dense_shape(q), device='meta')
-                                         for n, q in quantized.items() if n not in weights}})
-
-    def get(name: str) -> torch.Tensor | None:
-        t = weights.get(name)
-        return None if t is None else t.to(dtype).contiguous()
-
-    def cat(names: list[str], dt: torch.dtype = dtype) -> torch.Tensor | None:
-        if names[0] not in weights:
-            return None
-        return torch.cat([weights[n].to(dt) for n in names], dim=0).contiguous()
-
-    def linear(name: str, parts: list[str], bias_parts: list[str]) -> None:
-        qs = [quantized.get(p) for p in parts]
-        if all(q is not None for q in qs) and len({(_quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
-            for i, field in enumerate(('qweight', 'scales', 'mins')[:len(qs[0])]):
-                out[f'{name}.{field}'] = torch.cat([q[i] for q in qs], dim=0).contiguous()
-            out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
-        elif all(p in weights for p in parts):
-            out[name], out[name + '_bias'] = cat(parts), cat(bias_parts)
-        else:
-            raise ModelFormatError(f'{config.architecture}: {", ".join(parts)} mix quantized formats or group '
-                                   f'sizes without float weights to fall back on; TurboMind fuses them into {name}')
-
-    out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
-           'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
-    if 'lm_head.weight' in quantized:
-        linear('lm_head', ['lm_head.weight'], ['lm_head.bias'])
-    else:
-        out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
-    for n in range(config.num_layers):
-        p, q = f'model.layers.{n}.', f'layers.{n}.'
-        attn, mlp = p + 'self_attn.', p + 'mlp.'
-        out[q + 'input_norm'] = get(p + 'input_layernorm.weight')
-        linear(q + 'qkv', [attn + f'{x}_proj.weight' for x in 'qkv'], [attn + f'{x}_proj.bias' for x in 'qkv'])
-        out[q + 'q_norm'] = get(attn + 'q_norm.weight')
-        out[q + 'k_norm'] = get(attn + 'k_norm.weight')
-        linear(q + 'o', [attn + 'o_proj.weight'], [attn + 'o_proj.bias'])
-        out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
-        linear(q + 'gate_up', [mlp + 'gate_proj.weight', mlp + 'up_proj.weight'],
-               [mlp + 'gate_proj.bias', mlp + 'up_proj.bias'])
-        linear(q + 'down', [mlp + 'down_proj.weight'], [mlp + 'down_proj.bias'])
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16' or 'w8a8' (``fuse_weights``' output)."""
-    names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
-    return {n: 'float' if n + '.qweight' not in tensors else
-            _quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))
-            for n in names}
 
 
 def _narrowed(t: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class Kernels:
     add_rms_norm: Callable = torch_ops.add_rms_norm
     # (qkv[T, (Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping, Hq, Hk) -> rotated q[T, Hq, D]
     rope_fill_kv: Callable = torch_ops.rope_fill_kv
-    # (weight[N, K] or a quantized tuple (lmd.turbomind.quant layouts: W4A16, W8A8), bias[N] | None) -> params
+    # (weight[N, K] or a quantized tuple (lmd.weights.quant_layouts: W4A16, W8A8), bias[N] | None) -> params
     prepare_linear: Callable = torch_ops.prepare_linear
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
     set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels

@@ -44,7 +44,7 @@ class NativeLinear:
 
 
 class NativeQuantLinear:
-    """A quantized matmul in a TurboMind layout (``lmd.turbomind.quant``) run by
+    """A quantized matmul in a layout of ``lmd.weights.quant_layouts`` run by
     ``ops.linear_w4a16`` (qweight, scales, mins) or ``ops.linear_w8a8`` (qweight int8, scales [N]);
     the bias in float32, as those kernels take it; wrapped for C++ once, at load."""
     __slots__ = ('parts', 'bias', 'handles', 'b_handle', 'out_features', 'group_size')

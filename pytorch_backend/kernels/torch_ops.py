@@ -62,7 +62,7 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
-    """weight: float [N, K], or a quantized matmul in a TurboMind layout (``lmd.turbomind.quant``):
+    """weight: float [N, K], or a quantized matmul in a layout of ``lmd.weights.quant_layouts``:
     (qweight, scales, mins) W4A16 or (qweight int8 [N, K], scales [N]) W8A8."""
     if isinstance(weight, torch.Tensor):
         return weight, bias

@@ -5,15 +5,15 @@ The four differ only in small switches read from ``ModelConfig``:
 - Qwen3 RMS-normalises q and k per head before RoPE (``qk_norm``) and has an
   explicit ``head_dim``;
 - Llama may carry a bias on o_proj too (``attention_bias``) and on the MLP
-  (``mlp_bias``); Llama-3 and others scale RoPE (``rope.py``).
+  (``mlp_bias``); Llama-3 and others scale RoPE (``lmd.weights.rope``).
 
-Weights load from HF names and are fused at load: q/k/v into one ``qkv``
-([(Hq + 2 Hk) * D, H]) and gate/up into one ``gate_up`` ([2 I, H]), so a layer
-runs four matmuls. The matmuls of an AWQ or W8A8 checkpoint come in ``quantized``
-(HF weight name -> a TurboMind layout, ``lmd.turbomind.quant``) and stay quantized,
-fused the same way (their parts concatenated along N). The decoder loop lives in ``CausalLM.forward`` on purpose: a
-decode step is Python-overhead bound at small batch, and the loop touches plain
-tensors rather than module trees.
+Weights load from HF names and are fused at load as the weights layer says
+(``lmd.weights.schema``: q/k/v into one ``qkv`` [(Hq + 2 Hk) * D, H], gate/up into one
+``gate_up`` [2 I, H]), so a layer runs four matmuls. The matmuls of an AWQ or W8A8
+checkpoint come in ``quantized`` (HF weight name -> a layout of ``lmd.weights.quant_layouts``)
+and stay quantized, fused the same way (their parts concatenated along N). The decoder
+loop lives in ``CausalLM.forward`` on purpose: a decode step is Python-overhead bound at
+small batch, and the loop touches plain tensors rather than module trees.
 """
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ import torch.nn.functional as F
 
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
+from lmd.weights.memory import kv_block_bytes
+from lmd.weights.rope import build_cos_sin_cache
+from lmd.weights.schema import check_quantized_weights, matmul_parts
 
 from ..context import StepContext
 from ..kernels import Kernels, get_kernels
-from .rope import build_cos_sin_cache
-
-# Buffers some checkpoints still carry; recomputed here, never read.
-_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
 
 
 @dataclass
@@ -62,71 +61,6 @@ class DecoderLayer:
         self.down = kern.prepare_linear(self.down_weight, self.down_bias)
 
 
-def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """HF tensor name -> shape for every tensor the model needs, and the set of names
-    that may be present but are not required (tied lm_head)."""
-    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
-    q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
-    o_bias = config.attention_bias and config.family in ('llama', 'qwen3')
-    mlp_bias = bool(config.raw.get('mlp_bias', False))
-    shapes: dict[str, tuple[int, ...]] = {
-        'model.embed_tokens.weight': (config.vocab_size, H),
-        'model.norm.weight': (H,),
-    }
-    optional: set[str] = set()
-    if config.tie_word_embeddings:
-        optional.add('lm_head.weight')
-    shapes['lm_head.weight'] = (config.vocab_size, H)
-    for n in range(config.num_layers):
-        p = f'model.layers.{n}.'
-        shapes[p + 'input_layernorm.weight'] = (H,)
-        shapes[p + 'post_attention_layernorm.weight'] = (H,)
-        for name, rows in (('q_proj', q_size), ('k_proj', kv_size), ('v_proj', kv_size)):
-            shapes[p + f'self_attn.{name}.weight'] = (rows, H)
-            if config.attention_bias:
-                shapes[p + f'self_attn.{name}.bias'] = (rows,)
-        shapes[p + 'self_attn.o_proj.weight'] = (H, q_size)
-        if o_bias:
-            shapes[p + 'self_attn.o_proj.bias'] = (H,)
-        if config.qk_norm:
-            shapes[p + 'self_attn.q_norm.weight'] = (D,)
-            shapes[p + 'self_attn.k_norm.weight'] = (D,)
-        shapes[p + 'mlp.gate_proj.weight'] = (I, H)
-        shapes[p + 'mlp.up_proj.weight'] = (I, H)
-        shapes[p + 'mlp.down_proj.weight'] = (H, I)
-        if mlp_bias:
-            shapes[p + 'mlp.gate_proj.bias'] = (I,)
-            shapes[p + 'mlp.up_proj.bias'] = (I,)
-            shapes[p + 'mlp.down_proj.bias'] = (H,)
-    return shapes, optional
-
-
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Raise ModelFormatError naming every unknown, missing or wrongly shaped tensor."""
-    shapes, optional = expected_weight_shapes(config)
-    problems = []
-    for name, t in weights.items():
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if name not in shapes:
-            problems.append(f'unexpected tensor {name!r} with shape {list(t.shape)}')
-        elif tuple(t.shape) != shapes[name]:
-            problems.append(f'tensor {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}')
-    for name, shape in shapes.items():
-        if name not in weights and name not in optional:
-            problems.append(f'missing tensor {name!r} (expected shape {list(shape)})')
-    if problems:
-        more = f' (and {len(problems) - 8} more)' if len(problems) > 8 else ''
-        raise ModelFormatError(f'{config.architecture} weights do not match config.json: '
-                               + '; '.join(problems[:8]) + more)
-
-
-def _dense_shape(parts: tuple) -> tuple[int, int]:
-    """[N, K] of the weight a quantized tuple stands for (W4A16 packs two values a byte)."""
-    n, cols = parts[0].shape
-    return n, cols * 2 if len(parts) == 3 else cols
-
-
 class CausalLM:
     """A Llama-family decoder over a paged KV cache; see the module docstring."""
 
@@ -136,9 +70,7 @@ class CausalLM:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         quantized = quantized or {}
-        # quantized matmuls are checked by the shape of the weight they stand for
-        check_weights(config, {**weights, **{n: torch.empty(_dense_shape(q), device='meta')
-                                             for n, q in quantized.items()}})
+        check_quantized_weights(config, weights, quantized)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -181,16 +113,16 @@ class CausalLM:
             attn, mlp = p + 'self_attn.', p + 'mlp.'
             self.layers.append(DecoderLayer(
                 input_norm=get(p + 'input_layernorm.weight'),
-                qkv_weight=cat([attn + f'{x}_proj.weight' for x in 'qkv']),
-                qkv_bias=cat([attn + f'{x}_proj.bias' for x in 'qkv']),
+                qkv_weight=cat(matmul_parts(n, 'qkv')),
+                qkv_bias=cat(matmul_parts(n, 'qkv', 'bias')),
                 q_norm=maybe(attn + 'q_norm.weight'),
                 k_norm=maybe(attn + 'k_norm.weight'),
-                o_weight=cat([attn + 'o_proj.weight']),
+                o_weight=cat(matmul_parts(n, 'o')),
                 o_bias=maybe(attn + 'o_proj.bias'),
                 post_norm=get(p + 'post_attention_layernorm.weight'),
-                gate_up_weight=cat([mlp + 'gate_proj.weight', mlp + 'up_proj.weight']),
-                gate_up_bias=cat([mlp + 'gate_proj.bias', mlp + 'up_proj.bias']),
-                down_weight=cat([mlp + 'down_proj.weight']),
+                gate_up_weight=cat(matmul_parts(n, 'gate_up')),
+                gate_up_bias=cat(matmul_parts(n, 'gate_up', 'bias')),
+                down_weight=cat(matmul_parts(n, 'down')),
                 down_bias=maybe(mlp + 'down_proj.bias'),
             ))
             self.layers[-1].prepare(self.kernels)
@@ -221,12 +153,8 @@ class CausalLM:
                 for _ in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self, block_size: int, quant_policy: int = 0) -> int:
-        """K and V of every layer: D elements a row, or D * bits / 8 bytes of codes and 8 of params."""
-        if quant_policy:
-            row = self.head_dim * quant_policy // 8 + 8
-        else:
-            row = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * row
+        """K and V of every layer (``lmd.weights.memory.kv_block_bytes``)."""
+        return kv_block_bytes(self.config, block_size, self.dtype, quant_policy)
 
     # -- forward --------------------------------------------------------------------------------
 

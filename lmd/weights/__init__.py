@@ -1,0 +1,20 @@
+"""The weights layer: what both engines, ``lmd convert`` and ``lmd lite`` know about a model's
+weights, so that none of them imports an engine to get it.
+
+Reading order:
+
+- ``schema.py``: HF tensor names and shapes per architecture (``check_weights``), the seven
+  matmuls of a layer and how they fuse (q/k/v -> ``qkv``, gate/up -> ``gate_up``; ``fuse_weights``).
+- ``quant_layouts.py``: the quantized matmul layouts the kernels run (W4A16, W8A16, W8A8) and the
+  exact converters into them from GGUF blocks and AWQ, and back to AWQ.
+- ``source_format.py``: what a checkpoint directory is ('hf', 'gguf', 'awq', 'w8a8') and its AWQ /
+  W8A8 matmuls read into those layouts.
+- ``gguf_linears.py``: a GGUF conversion's 4-bit matmuls and 8-bit head, bit-exact, cached.
+- ``turbomind_layout.py``: TurboMind's own layout (the fused checkpoint ``lmd convert --backend
+  turbomind`` writes): ``load_fused`` for any directory, ``export``, ``read``.
+- ``rope.py``: the RoPE cos/sin tables.
+- ``dtype.py``: dtype names and ``resolve_dtype``.
+- ``memory.py``: KV-cache planning: bytes per block, blocks from free memory, ``session_len``.
+
+The modules import nothing at package import: ``import lmd.weights.rope`` costs only that file.
+"""

@@ -1,0 +1,176 @@
+"""The quantized matmul layouts the kernels run, and exact converters into them from GGUF and AWQ.
+
+W4A16 (``ops.linear_w4a16``; the C++ side is ``lib/kernels/csrc/cpu/quant.h``), for a weight
+``w[N, K]`` (out_features x in_features, as ``nn.Linear``) in groups of G consecutive k:
+
+    qweight: uint8   [N, K // 2]   element k of row n in byte k // 2, low nibble = even k
+    scales:  float32 [N, K // G]
+    mins:    float32 [N, K // G]
+    w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]        q in 0..15
+
+Each source maps onto it exactly (the float32 dequantization is bit-for-bit the source's):
+
+    GGUF Q4_0  w = d * (q - 8)      scale = d,  min = -8 d      (fp16 d, G = 32)
+    GGUF Q4_1  w = d * q + m        scale = d,  min = m         (fp16 d and m, G = 32)
+    AWQ        w = (q - z) * s      scale = s,  min = -z s      (fp16 s, integer z)
+
+W8A16 (``ops.linear_w8a16``): int8 weights in groups of G (a multiple of 32) with float scales,
+
+    qweight: int8    [N, K]
+    scales:  float32 [N, K // G]
+    w[n, k] = q[n, k] * scales[n, k // G]
+
+    GGUF Q8_0  w = d * q            scale = d                   (fp16 d, G = 32)
+
+W8A8 (``ops.linear_w8a8``): ``qweight`` int8 [N, K] and per-output-channel ``scales``
+float32 [N], w = qweight * scales[:, None]; activations are quantized per token inside
+the kernel (``ops.quantize_per_token``).
+
+A fused matmul keeps its format under ``<name>.qweight``, ``.scales`` (and ``.mins`` for W4A16);
+the kernels tell the formats apart by what is there (mins; the scales' rank), and read the
+group size of each matmul as K // scales.shape[1].
+
+The checkpoints that hold them (AWQ, W8A8) are read in ``source_format.py``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Nibble i (bits 4i..4i+3) of an AWQ int32 holds column AWQ_ORDER[i] of its eight.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+GGUF_BLOCK = 32           # values per Q4_0 / Q4_1 block
+Q4_0_BLOCK_BYTES = 18     # fp16 d, 16 bytes of nibbles
+Q4_1_BLOCK_BYTES = 20     # fp16 d, fp16 m, 16 bytes of nibbles
+Q8_0_BLOCK_BYTES = 34     # fp16 d, 32 int8
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 [N, K] with values 0..15 (K even) -> qweight uint8 [N, K // 2]."""
+    q = torch.as_tensor(q)
+    if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f'q: expected a uint8 [N, K] tensor with even K, got {q.dtype} {list(q.shape)}')
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError('q: values must be in 0..15')
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight uint8 [N, K // 2] -> q uint8 [N, K]."""
+    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+
+
+def dequantize_w4a16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the W4A16 layout stands for (the tests' reference)."""
+    q = unpack_int4(qweight).float()
+    group_size = q.shape[1] // scales.shape[1]
+    return q * scales.repeat_interleave(group_size, 1) + mins.repeat_interleave(group_size, 1)
+
+
+def dequantize_w8a16(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the W8A16 layout stands for (the tests' reference)."""
+    (n, k), num_groups = qweight.shape, scales.shape[1]
+    return (qweight.float().view(n, num_groups, k // num_groups) * scales[:, :, None]).view(n, k)
+
+
+def _gguf_blocks(raw, n: int, k: int, block_bytes: int) -> np.ndarray:
+    """Raw GGUF tensor data (rows of k values, k // 32 blocks each) as uint8 [n, k // 32, block_bytes]."""
+    if k % GGUF_BLOCK:
+        raise ValueError(f'K = {k} is not a multiple of the GGUF block size {GGUF_BLOCK}')
+    data = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) \
+        else np.ascontiguousarray(raw).view(np.uint8)
+    want = n * (k // GGUF_BLOCK) * block_bytes
+    if data.size != want:
+        raise ValueError(f'raw: {data.size} bytes, expected {want} for [{n}, {k}] in {block_bytes}-byte blocks')
+    return data.reshape(n, k // GGUF_BLOCK, block_bytes)
+
+
+def _gguf_nibbles(qs: np.ndarray) -> torch.Tensor:
+    """qs: uint8 [n, blocks, 16] -> q uint8 [n, blocks * 32]: value j < 16 is the low
+    nibble of byte j, value j + 16 its high nibble."""
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    return torch.from_numpy(q.reshape(q.shape[0], -1).copy())
+
+
+def _fp16_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    return torch.from_numpy(blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+
+def from_gguf_q4_0(raw, n: int, k: int):
+    """GGUF Q4_0 data of a [n, k] weight -> (qweight, scales, mins), group size 32."""
+    blocks = _gguf_blocks(raw, n, k, Q4_0_BLOCK_BYTES)
+    d = _fp16_field(blocks, 0)
+    return pack_int4(_gguf_nibbles(blocks[..., 2:])), d, -8 * d
+
+
+def from_gguf_q4_1(raw, n: int, k: int):
+    """GGUF Q4_1 data of a [n, k] weight -> (qweight, scales, mins), group size 32."""
+    blocks = _gguf_blocks(raw, n, k, Q4_1_BLOCK_BYTES)
+    return pack_int4(_gguf_nibbles(blocks[..., 4:])), _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+
+
+def from_gguf_q8_0(raw, n: int, k: int):
+    """GGUF Q8_0 data of a [n, k] weight -> (qweight int8 [n, k], scales float32 [n, k // 32])."""
+    blocks = _gguf_blocks(raw, n, k, Q8_0_BLOCK_BYTES)
+    qweight = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+    return qweight, _fp16_field(blocks, 0)
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, cols // 8] in AWQ's nibble order -> uint8 [rows, cols]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF     # [rows, cols // 8, nibble]
+    out = torch.empty_like(nibbles)
+    out[:, :, list(AWQ_ORDER)] = nibbles
+    return out.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, cols] in 0..15 (cols a multiple of 8) -> int32 [rows, cols // 8] in AWQ's nibble
+    order (the inverse of ``awq_unpack``)."""
+    q = q.to(torch.int32).reshape(q.shape[0], -1, 8)
+    packed = torch.zeros(q.shape[:2], dtype=torch.int32)
+    for i, col in enumerate(AWQ_ORDER):
+        packed |= q[:, :, col] << (4 * i)
+    return packed
+
+
+def to_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An [N, K] weight w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G] (q, zeros uint8 in
+    0..15, scales fp16 [N, K // G]) -> AWQ GEMM tensors {'qweight', 'qzeros', 'scales'} (the inverse
+    of ``from_awq``)."""
+    if q.shape[0] % 8:
+        raise ValueError(f'AWQ packs 8 output channels per int32: N = {q.shape[0]} is not a multiple of 8')
+    return {'qweight': awq_pack(q.T), 'qzeros': awq_pack(zeros.T),
+            'scales': scales.to(torch.float16).T.contiguous()}
+
+
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
+    """AWQ (GEMM layout) -> (qweight, scales, mins) of the [N, K] weight.
+
+    qweight int32 [K, N // 8], qzeros int32 [K // G, N // 8], scales fp16 [K // G, N];
+    w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n], and the linear weight is w.T.
+    """
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
+        raise ValueError(f'scales: expected [K // G, N] = [K // G, {n}] with G dividing K = {k}, '
+                         f'got {list(scales.shape)}')
+    if tuple(qzeros.shape) != (scales.shape[0], n // 8):
+        raise ValueError(f'qzeros: expected {[scales.shape[0], n // 8]}, got {list(qzeros.shape)}')
+    q = awq_unpack(qweight).T.contiguous()                  # [N, K]
+    z = awq_unpack(qzeros).T.float()                        # [N, K // G]
+    s = scales.T.float().contiguous()
+    return pack_int4(q), s, (-z * s).contiguous()            # z * s: exact in float32
+
+
+def dequantize_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of a W8A8 matmul (its activations are quantized at run time)."""
+    return qweight.float() * scales[:, None]
+
+
+def quantize_w8(w: torch.Tensor):
+    """w [N, K] float -> (qweight int8 [N, K], scales float32 [N]): symmetric per output channel."""
+    w = w.float()
+    scales = w.abs().amax(dim=1) / 127
+    inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+    return torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8), scales

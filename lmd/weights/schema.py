@@ -1,0 +1,183 @@
+"""The weights of a Llama-family model by name: what each architecture holds (HF names and
+shapes, ``check_weights``) and how its matmuls fuse, in one place for both engines.
+
+A decoder layer runs four matmuls (``LAYER_MATMULS``): q/k/v fused into ``qkv``
+([(Hq + 2 Hk) * D, H]), ``o``, gate/up fused into ``gate_up`` ([2 I, H]) and ``down``; the
+parts are concatenated along N, biases alike. A quantized matmul (``quant_layouts.py``) is a
+tuple standing for its [N, K] weight: (qweight, scales, mins) W4A16, (qweight int8, scales
+[N, K / G]) W8A16, (qweight int8, scales [N]) W8A8; fused, each field is concatenated along N.
+
+``fuse_weights`` gives the fused tensors under TurboMind's names (``embed``, ``norm``,
+``lm_head``, ``layers.{i}.qkv`` ...), the names of TurboMind's own layout
+(``turbomind_layout.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from lmd.errors import ModelFormatError
+from lmd.model_config import ModelConfig
+
+from .rope import build_cos_sin_cache
+
+# The seven matmuls of a decoder layer, under model.layers.{i}.
+LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
+           'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
+# fused matmul -> the HF matmuls concatenated (along N) into it
+LAYER_MATMULS = {
+    'qkv': ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'),
+    'o': ('self_attn.o_proj',),
+    'gate_up': ('mlp.gate_proj', 'mlp.up_proj'),
+    'down': ('mlp.down_proj',),
+}
+MATMUL_SUFFIXES = tuple(f'.{name}' for name in LAYER_MATMULS)
+# Buffers some checkpoints still carry; recomputed, never read.
+_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
+
+
+def matmul_parts(layer: int, fused: str, field: str = 'weight') -> list[str]:
+    """The HF names of ``field`` ('weight' or 'bias') of the parts of layer ``layer``'s ``fused`` matmul."""
+    return [f'model.layers.{layer}.{part}.{field}' for part in LAYER_MATMULS[fused]]
+
+
+def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF tensor name -> shape for every tensor the model needs, and the set of names
+    that may be present but are not required (tied lm_head)."""
+    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
+    o_bias = config.attention_bias and config.family in ('llama', 'qwen3')
+    mlp_bias = bool(config.raw.get('mlp_bias', False))
+    shapes: dict[str, tuple[int, ...]] = {
+        'model.embed_tokens.weight': (config.vocab_size, H),
+        'model.norm.weight': (H,),
+    }
+    optional: set[str] = set()
+    if config.tie_word_embeddings:
+        optional.add('lm_head.weight')
+    shapes['lm_head.weight'] = (config.vocab_size, H)
+    for n in range(config.num_layers):
+        p = f'model.layers.{n}.'
+        shapes[p + 'input_layernorm.weight'] = (H,)
+        shapes[p + 'post_attention_layernorm.weight'] = (H,)
+        for name, rows in (('q_proj', q_size), ('k_proj', kv_size), ('v_proj', kv_size)):
+            shapes[p + f'self_attn.{name}.weight'] = (rows, H)
+            if config.attention_bias:
+                shapes[p + f'self_attn.{name}.bias'] = (rows,)
+        shapes[p + 'self_attn.o_proj.weight'] = (H, q_size)
+        if o_bias:
+            shapes[p + 'self_attn.o_proj.bias'] = (H,)
+        if config.qk_norm:
+            shapes[p + 'self_attn.q_norm.weight'] = (D,)
+            shapes[p + 'self_attn.k_norm.weight'] = (D,)
+        shapes[p + 'mlp.gate_proj.weight'] = (I, H)
+        shapes[p + 'mlp.up_proj.weight'] = (I, H)
+        shapes[p + 'mlp.down_proj.weight'] = (H, I)
+        if mlp_bias:
+            shapes[p + 'mlp.gate_proj.bias'] = (I,)
+            shapes[p + 'mlp.up_proj.bias'] = (I,)
+            shapes[p + 'mlp.down_proj.bias'] = (H,)
+    return shapes, optional
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ModelFormatError naming every unknown, missing or wrongly shaped tensor."""
+    shapes, optional = expected_weight_shapes(config)
+    problems = []
+    for name, t in weights.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name not in shapes:
+            problems.append(f'unexpected tensor {name!r} with shape {list(t.shape)}')
+        elif tuple(t.shape) != shapes[name]:
+            problems.append(f'tensor {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}')
+    for name, shape in shapes.items():
+        if name not in weights and name not in optional:
+            problems.append(f'missing tensor {name!r} (expected shape {list(shape)})')
+    if problems:
+        more = f' (and {len(problems) - 8} more)' if len(problems) > 8 else ''
+        raise ModelFormatError(f'{config.architecture} weights do not match config.json: '
+                               + '; '.join(problems[:8]) + more)
+
+
+def dense_shape(parts: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """[N, K] of the weight a quantized tuple stands for (W4A16 packs two values a byte)."""
+    n, cols = parts[0].shape
+    return n, cols * 2 if len(parts) == 3 else cols
+
+
+def check_quantized_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
+                            quantized: dict[str, tuple]) -> None:
+    """``check_weights`` with each quantized matmul (and no float copy of it) checked by the shape
+    of the weight it stands for."""
+    check_weights(config, {**weights, **{n: torch.empty(dense_shape(q), device='meta')
+                                         for n, q in quantized.items() if n not in weights}})
+
+
+def quant_format(parts: tuple[torch.Tensor, ...]) -> str:
+    """The layout of a quantized matmul: 'w4a16', 'w8a16' or 'w8a8' (``quant_layouts.py``)."""
+    if len(parts) == 3:
+        return 'w4a16'
+    return 'w8a8' if parts[1].dim() == 1 else 'w8a16'
+
+
+def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 quantized: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """HF names -> TurboMind's names (``embed``, ``norm``, ``lm_head``, ``layers.{i}.qkv`` ...).
+
+    ``quantized``: HF weight name (``...q_proj.weight``, ``lm_head.weight``) -> its weight in a
+    quantized layout (see the module doc). A fused matmul whose parts are all quantized alike
+    runs so (``<name>.qweight``, ``.scales``, ``.mins``; bias float32); else in float from
+    ``weights`` (a GGUF conversion has both). The embedding lookup always reads the float rows.
+    """
+    quantized = quantized or {}
+    check_quantized_weights(config, weights, quantized)
+
+    def get(name: str) -> torch.Tensor | None:
+        t = weights.get(name)
+        return None if t is None else t.to(dtype).contiguous()
+
+    def cat(names: list[str], dt: torch.dtype = dtype) -> torch.Tensor | None:
+        if names[0] not in weights:
+            return None
+        return torch.cat([weights[n].to(dt) for n in names], dim=0).contiguous()
+
+    def linear(name: str, parts: list[str], bias_parts: list[str]) -> None:
+        qs = [quantized.get(p) for p in parts]
+        if all(q is not None for q in qs) and len({(quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
+            for i, field in enumerate(('qweight', 'scales', 'mins')[:len(qs[0])]):
+                out[f'{name}.{field}'] = torch.cat([q[i] for q in qs], dim=0).contiguous()
+            out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
+        elif all(p in weights for p in parts):
+            out[name], out[name + '_bias'] = cat(parts), cat(bias_parts)
+        else:
+            raise ModelFormatError(f'{config.architecture}: {", ".join(parts)} mix quantized formats or group '
+                                   f'sizes without float weights to fall back on; TurboMind fuses them into {name}')
+
+    out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
+           'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
+    if 'lm_head.weight' in quantized:
+        linear('lm_head', ['lm_head.weight'], ['lm_head.bias'])
+    else:
+        out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
+    def matmul(n: int, fused: str) -> None:
+        linear(f'layers.{n}.{fused}', matmul_parts(n, fused), matmul_parts(n, fused, 'bias'))
+
+    for n in range(config.num_layers):
+        p, q = f'model.layers.{n}.', f'layers.{n}.'
+        out[q + 'input_norm'] = get(p + 'input_layernorm.weight')
+        matmul(n, 'qkv')
+        out[q + 'q_norm'] = get(p + 'self_attn.q_norm.weight')
+        out[q + 'k_norm'] = get(p + 'self_attn.k_norm.weight')
+        matmul(n, 'o')
+        out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
+        matmul(n, 'gate_up')
+        matmul(n, 'down')
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16' or 'w8a8' (``fuse_weights``' output)."""
+    names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
+    return {n: 'float' if n + '.qweight' not in tensors else
+            quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))
+            for n in names}
