@@ -14,7 +14,7 @@ linears sharing an input (``scales.smooth_groups``):
    error; q_proj and k_proj are left alone (their errors are amplified by the softmax).
 
 Then every linear is rounded to nearest (``quantize_w4``) and the checkpoint is written in
-AutoAWQ's GEMM layout (``turbomind/quant.py``), with everything else in float16.
+AutoAWQ's GEMM layout (``lmd.weights.quant_layouts.to_awq``), with everything else in float16.
 
 LMDeploy's ``auto_awq`` searches r only with ``--search-scale`` and otherwise uses a fixed
 smoothing; here the search is the default (it is what AWQ means and costs little), so
@@ -24,6 +24,8 @@ skips calibration and scaling altogether (the baseline AWQ is compared with).
 from __future__ import annotations
 
 import torch
+
+from lmd.weights.quant_layouts import to_awq
 
 from .calib_data import BUILTIN, calib_tokens
 from .calibrate import load_float_model, run_layers
@@ -150,7 +152,6 @@ def awq_layer(layer, stats, group_size: int, sym: bool = False, ratios=None, cli
 def awq_tensors(model, group_size: int, sym: bool = False) -> dict[str, torch.Tensor]:
     """The AWQ GEMM checkpoint's tensors of ``model``: its seven matmuls per layer rounded to nearest
     in 4 bits, everything else (embeddings, norms, biases, an untied lm_head) in float16."""
-    from lmd.turbomind.quant import to_awq
     linears = quantized_linears(model)
     out = float_tensors(model, skip={f'{name}.weight' for name in linears})
     for name, linear in linears.items():

@@ -26,12 +26,12 @@ import os
 import torch
 from torch import nn
 
+from lmd.weights.schema import LINEARS
+
 from .calib_data import BUILTIN, calib_tokens
+from .checkpoint import STATS_FILE, atomic_dir, check_finite
 
 ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'MistralForCausalLM')
-LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
-           'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
-STATS_FILE = 'calib_stats.safetensors'
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
@@ -179,7 +179,6 @@ def calibrate(model: str, work_dir: str, calib_dataset: str = BUILTIN, calib_sam
     """Write ``work_dir/calib_stats.safetensors`` (see the module doc); returns its path."""
     from safetensors.torch import save_file
 
-    from .checkpoint import atomic_dir, check_finite
     model_dir, hf, tokenizer = load_float_model(model, dtype)
     tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
     out, kv_ranges = {}, {'key_min': [], 'key_max': [], 'value_min': [], 'value_max': []}

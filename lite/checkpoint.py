@@ -14,7 +14,10 @@ import tempfile
 
 import torch
 
-from .calibrate import STATS_FILE
+from lmd.weights.schema import LINEARS
+
+# What `lmd lite calibrate` writes (layout in calibrate.py).
+STATS_FILE = 'calib_stats.safetensors'
 
 # Copied from the source model beside the weights (not lmd_conversion.json: the output is no GGUF conversion).
 SIDE_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
@@ -111,7 +114,6 @@ def float_tensors(model, skip: set[str], dtype: torch.dtype = torch.float16) -> 
 
 def quantized_linears(model) -> dict[str, torch.nn.Linear]:
     """The seven matmuls of every decoder layer, by their full names (``model.layers.0.self_attn.q_proj``)."""
-    from .calibrate import LINEARS
     return {f'model.layers.{i}.{name}': layer.get_submodule(name)
             for i, layer in enumerate(model.model.layers) for name in LINEARS}
 

@@ -7,12 +7,14 @@ of linears sharing an input (``scales.smooth_groups``) the scales
 
 move that difficulty into the weights: X / s feeds W * s, and 1/s is folded into the producer
 (norm weight or preceding linear). Then every linear is quantized to int8, symmetric per output
-channel (``turbomind.quant.quantize_w8``), and written as the W8A8 checkpoint of
-``turbomind/quant.py`` with everything else in float16.
+channel (``lmd.weights.quant_layouts.quantize_w8``), and written as the W8A8 checkpoint of
+``lmd.weights.source_format`` with everything else in float16.
 """
 from __future__ import annotations
 
 import torch
+
+from lmd.weights.quant_layouts import quantize_w8
 
 from .calib_data import BUILTIN, calib_tokens
 from .calibrate import load_float_model, run_layers
@@ -35,7 +37,6 @@ def smooth_layer(layer, stats, alpha: float) -> None:
 
 
 def w8a8_tensors(model) -> dict[str, torch.Tensor]:
-    from lmd.turbomind.quant import quantize_w8
     linears = quantized_linears(model)
     out = float_tensors(model, skip={f'{name}.weight' for name in linears})
     for name, linear in linears.items():
