@@ -81,18 +81,19 @@ class PagedRunner:
         for i, (sid, _) in enumerate(chunks):
             tables[i, :len(self.tables[sid])] = torch.tensor(self.tables[sid], dtype=torch.int32)
         ql = torch.tensor(query_lens, dtype=torch.int32)
+        dev = self.model.device  # the step's tensors live where the model does (tests/test_gpu.py: CUDA)
         ctx = StepContext(
             kv_caches=self.kv_caches, block_size=self.block_size,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            query_lens=ql, cu_query_lens=torch.nn.functional.pad(ql.cumsum(0), (1, 0)).to(torch.int32),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens=ql.to(dev), cu_query_lens=torch.nn.functional.pad(ql.cumsum(0), (1, 0)).to(dev, torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev), block_tables=tables.to(dev),
             is_decode=all(n == 1 for n in query_lens),
             query_lens_list=query_lens, context_lens_list=context_lens)
-        hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), ctx)
+        hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
         assert hidden.shape == (len(ids), self.model.config.hidden_size)
         logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
-        return list(logits.split(query_lens))
+        return list(logits.cpu().split(query_lens))
 
 
 def run_chunked(model, tokens: list[int], prefill_chunks: list[int], seed: int = 1) -> torch.Tensor:
