@@ -30,16 +30,16 @@ step() {
     return $rc
 }
 
-step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader;
+step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader;
     nvcc --version | tail -n 2; $PY -c 'import torch, triton, transformers, sys;
 print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
       torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
 
-if step build 300 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . ; then
-    step import 60 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features())'
-    step tests 300 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
+if step build 200 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . ; then
+    step import 30 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features())'
+    step tests 200 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
     preset=llama-1b; [ -n "${GPU_CHECK_QUICK:-}" ] && preset=tiny
-    step bench 240 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 128 \
+    step bench 120 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
         > $OUT/bench.json"
 fi
 
