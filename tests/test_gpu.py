@@ -18,6 +18,7 @@ from kernel_cases import ATTN_CASES, cos_sin, make_ctx
 from lmd.engine import SamplingParams
 from lmd.pytorch_backend.kernels import get_kernels, torch_ops
 from lmd.pytorch_backend.models import build_model
+from test_kv_quant import LOGIT_BOUND
 from test_models import ARCHS as MODEL_ARCHS
 from test_models import PagedRunner, hf_logits, make_hf_model, random_tokens, run_chunked
 from test_pytorch_engine import (assert_no_leak, generate, hf_greedy, rand_prompt, tiny_engine,  # noqa: F401
@@ -213,3 +214,20 @@ def test_engine_prefix_cache_hit_equals_miss(tiny_models):
         assert final_b.num_cached_tokens >= 192
         assert_no_leak(engine)
     assert [got_a, got_b] == want
+
+
+@pytest.mark.parametrize('quant_policy', [0, 8])
+def test_engine_get_logits_match_hf(tiny_models, quant_policy):
+    """Engine.get_logits (perplexity's call, lite/eval_ppl.py) scores over a cache of its own on the GPU."""
+    model, _ = tiny_models('qwen2')
+    ids = rand_prompt(random.Random(5), 77)
+    with tiny_engine(tiny_models, 'qwen2', device='cuda', quant_policy=quant_policy) as engine:
+        got = engine.get_logits(ids)
+        assert_no_leak(engine)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    assert got.device.type == 'cpu' and got.shape == want.shape
+    if quant_policy == 0:
+        assert (got - want).abs().max().item() < 1e-3
+    else:  # an int8 cache rounds K and V: held to tests/test_kv_quant.py's bound on the CPU
+        assert ((got - want).abs().max() / want.abs().max()).item() < LOGIT_BOUND[8]
