@@ -36,21 +36,9 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_generation import (
-    RequestTiming,
-    cpu_seconds,
-    decode_rate,
-    guarded_worker,
-    lmd_batch,
-    log,
-    measure_bandwidth,
-    peak_rss_mib,
-    percentiles,
-    ratio,
-    rss_mib,
-    run_worker,
-    summarize,
-)
+from common import (RequestTiming, add_engine_args, add_worker_args, cpu_seconds, decode_rate, emit, engine_config,
+                    guarded_worker, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib, percentiles, ratio,
+                    rss_mib, run_worker, set_threads, summarize)
 from gguf_files import gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
 
@@ -98,13 +86,9 @@ async def lmd_tokens(engine, ids: list[int], n: int) -> list[int]:
 
 
 def lmd_worker(args, work: dict) -> dict:
-    import torch
-
     from lmd.async_engine import AsyncEngine
-    from lmd.messages import TurbomindEngineConfig
-    torch.set_num_threads(args.num_threads)
-    cfg = TurbomindEngineConfig(max_batch_size=max(1, work['concurrency']), num_threads=args.num_threads,
-                                **LMD_FORMATS[args.lmd_format])
+    set_threads(args.num_threads)
+    cfg = engine_config('turbomind', max(1, work['concurrency']), args.num_threads, **LMD_FORMATS[args.lmd_format])
     t = time.perf_counter()
     engine = AsyncEngine(args.model_dir, backend='turbomind', backend_config=cfg)
     tb = engine.engine
@@ -364,13 +348,12 @@ def worker_main(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--model', default='smollm2', help="lmd model: 'smollm2' (the shipped GGUF, converted) or a path")
+    add_engine_args(p, backends=None, model_help="lmd model: 'smollm2' (the shipped GGUF, converted) or a path")
     p.add_argument('--gguf', default=None, help='llama.cpp 4-bit model (default: the shipped SmolLM2 Q4_1 GGUF)')
     p.add_argument('--f16-gguf', default=None,
                    help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<name>.F16.gguf)')
     p.add_argument('--lmd-formats', default='float16,float32,w4a16',
                    help=f'lmd TurboMind formats, comma-separated: {", ".join(LMD_FORMATS)}')
-    p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument('--decode-tokens', default='128,128', help='batch-1 decode: prompt,output tokens')
     p.add_argument('--prefill-tokens', type=int, default=512)
     p.add_argument('--concurrency', type=int, default=32, help='requests of the throughput round (0: skip it)')
@@ -382,8 +365,7 @@ def parse_args(argv=None):
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--quick', action='store_true', help='smoke run: 64,32 decode, 128 prefill, 4 concurrent, 1 round')
     p.add_argument('--timeout', type=float, default=1800, help='seconds each worker may run')
-    for hidden in ('--worker', '--result-file', '--model-dir', '--work-file', '--lmd-format'):
-        p.add_argument(hidden, help=argparse.SUPPRESS)
+    add_worker_args(p, None, '--work-file', '--lmd-format')
     args = p.parse_args(argv)
     if args.quick:
         args.decode_tokens, args.prefill_tokens, args.concurrent_tokens = '64,32', 128, '64,32'
@@ -445,7 +427,7 @@ def main(argv=None) -> int:
     if args.worker:
         guarded_worker(worker_main, args)
         return 0
-    load0 = os.getloadavg()
+    load0 = load_average()
     report = {'benchmark': 'compare_llamacpp', 'model': args.model, 'num_threads': args.num_threads,
               'cpu_count': os.cpu_count()}
     try:
@@ -481,19 +463,19 @@ def main(argv=None) -> int:
         json.dump(work, f)
         work_file = f.name
     script = os.path.abspath(__file__)
-    common = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file]
+    wargv = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file]
     sides = {}
     try:
         for fmt in args.lmd_format_list:
             log(f'lmd TurboMind {fmt} worker starting')
-            sides[f'lmd_{fmt}'] = run_worker(script, 'lmd', common + ['--lmd-format', fmt], args.timeout)
+            sides[f'lmd_{fmt}'] = run_worker(script, 'lmd', wargv + ['--lmd-format', fmt], args.timeout)
         for name, path in ggufs.items():
             log(f'llama.cpp {name} worker starting')
-            sides[f'llamacpp_{name}'] = run_worker(script, 'llamacpp', common + ['--gguf', path], args.timeout)
+            sides[f'llamacpp_{name}'] = run_worker(script, 'llamacpp', wargv + ['--gguf', path], args.timeout)
             if server and args.concurrency > 0:
                 log(f'llama-server {name} worker starting')
                 sides[f'llamaserver_{name}'] = run_worker(
-                    script, 'server', common + ['--gguf', path, '--server', server, '--timeout', str(args.timeout)],
+                    script, 'server', wargv + ['--gguf', path, '--server', server, '--timeout', str(args.timeout)],
                     args.timeout)
     finally:
         os.unlink(work_file)
@@ -542,8 +524,7 @@ def main(argv=None) -> int:
                 roof[name] = {'weight_bytes_per_token': wb, 'bound_tokens_per_s': round(bound, 1),
                               'decode_tokens_per_s': dec, 'fraction_of_bound': round(dec / bound, 3)}
         report['roofline_batch_1'] = roof
-    report['load_average'] = {'start': [round(x, 2) for x in load0], 'end': [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(report, indent=2))
+    emit(report, load0)
     return 2 if any('error' in s for s in sides.values()) else 0
 
 

@@ -31,11 +31,15 @@ import time
 
 from safetensors import safe_open
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import DEFAULT_THREADS, add_engine_args, set_threads  # noqa: E402
+
 LINEARS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 DEFAULT_SCHEMES = 'float32,rtn_g64,rtn_g32,awq_g64,awq_g32,w8a8,kv8,kv4'
 
 
 def log(*args) -> None:
+    """Progress and the markdown table on stderr, as they are (no timestamp: the table is copied out)."""
     print(*args, file=sys.stderr, flush=True)
 
 
@@ -122,7 +126,8 @@ def rounded(ppl: float | None) -> float | None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--model', default='smollm2', help="'smollm2', 'tiny' (random 4-layer Llama) or a directory")
+    add_engine_args(p, backends=None, threads=False,
+                    model_help="'smollm2', 'tiny' (random 4-layer Llama) or a directory")
     p.add_argument('--schemes', default=DEFAULT_SCHEMES)
     p.add_argument('--work-root', default=os.path.expanduser('~/.cache/lmd/lite_quality'),
                    help='where the quantized checkpoints go (reused when --reuse)')
@@ -139,11 +144,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from lmd.lite.eval_ppl import eval_ppl
     from lmd.model_path import prepare_model_dir
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    set_threads(DEFAULT_THREADS)
     os.makedirs(args.work_root, exist_ok=True)
     smollm2 = prepare_model_dir('smollm2')
     model_dir = tiny_model_dir(args.work_root, smollm2) if args.model == 'tiny' else prepare_model_dir(args.model)

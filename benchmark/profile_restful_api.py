@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_generation import log, percentiles, ratio
+from common import add_engine_args, load_average, log, percentiles, ratio
 from prompts import ProseCorpus, parse_range, resolve_model_dir
 
 LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
@@ -463,7 +463,7 @@ def bench_server(s: Server, requests: list[Request], warmup: list[Request], args
             if bad:
                 raise RuntimeError(f'warmup failed: {bad[0]}')
         cpu0 = tree_cpu_seconds(s.proc.pid) if s.proc else None
-        load0, client0 = os.getloadavg()[0], time.process_time()
+        load0, client0 = load_average()[0], time.process_time()
         log(f'{s.name}: {len(requests)} requests')
         results, duration = asyncio.run(run_load(s.base_url, model, requests, args))
         out.update(summarize(requests, results, duration, args.endpoint))
@@ -471,7 +471,7 @@ def bench_server(s: Server, requests: list[Request], warmup: list[Request], args
         if s.proc:
             out['server_cpu_utilization'] = round((tree_cpu_seconds(s.proc.pid) - cpu0) / duration, 2)
             out['server_peak_rss_mib'] = tree_peak_rss_mib(s.proc.pid)
-        out['load_average'] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        out['load_average'] = [load0, load_average()[0]]
         out['sample_text'] = {r.index: r.text[:160] for r in results[:3] if r.ok}
         if out['failed']:
             out['error'] = f'{out["failed"]} of {len(results)} requests failed: {out["errors"][0]}'
@@ -584,11 +584,10 @@ def parse_args(argv=None):
     p.add_argument('--concurrency', type=int, default=16, help='at most this many requests in flight (0: no limit)')
     p.add_argument('--warmup', type=int, default=2, help='short requests before the timed run')
     p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--model', default='smollm2', help="lmd's model; its tokenizer makes the prompts and vLLM "
-                                                      "serves its HF directory")
     p.add_argument('--max-batch-size', type=int, default=16,
                    help="lmd --max-batch-size, llama-server -np, vLLM --max-num-seqs")
-    p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1), help='llama-server / vLLM threads')
+    add_engine_args(p, backends=None, threads_help='llama-server / vLLM threads',
+                    model_help="lmd's model; its tokenizer makes the prompts and vLLM serves its HF directory")
     p.add_argument('--lmd-backend', choices=('turbomind', 'pytorch'), default='turbomind')
     p.add_argument('--lmd-args', default='', help='more lmd api_server flags, e.g. "--model-format gguf"')
     p.add_argument('--gguf', default=None, help='llama-server model (default: the shipped SmolLM2 Q4_1 GGUF)')

@@ -27,9 +27,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_generation import (build_lmd, cpu_seconds, guarded_worker, hf_static_batch, lmd_request, load_hf,
-                                load_prompt_sets, log, pad_token_id, peak_rss_mib, ratio, rss_mib, run_worker,
-                                save_prompt_sets, set_threads, summarize)
+from common import (add_engine_args, add_worker_args, build_lmd, cpu_seconds, emit, guarded_worker, lmd_request,
+                    load_average, load_prompt_sets, log, peak_rss_mib, ratio, rss_mib, run_worker, save_prompt_sets,
+                    set_threads, summarize)
+from profile_generation import hf_static_batch, load_hf, pad_token_id
 from prompts import Prompt, describe, make_prompts, parse_range, resolve_model_dir
 
 WARMUP = [(32, 8), (48, 8)]  # (input, output) of the untimed requests that run first on each engine
@@ -123,14 +124,12 @@ def hf_worker(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--backend', choices=('pytorch', 'turbomind'), default='pytorch')
-    p.add_argument('--model', default='smollm2', help="model path or 'smollm2' (the embedded default)")
+    add_engine_args(p)
     p.add_argument('--num-prompts', type=int, default=64)
     p.add_argument('--input-tokens', default='32,512', help='prompt length range LO,HI (inclusive) or N')
     p.add_argument('--output-tokens', default='16,256', help='output length range LO,HI (inclusive) or N')
     p.add_argument('--max-batch-size', type=int, default=16, help="lmd engine's max_batch_size")
     p.add_argument('--concurrency', default='all', help="requests in flight at once: 'all' or a number")
-    p.add_argument('--num-threads', type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument('--compare-hf', action='store_true', help='also run transformers static batches')
     p.add_argument('--hf-batch-size', type=int, default=16)
     p.add_argument('--hf-order', choices=('submission', 'sorted'), default='submission',
@@ -140,10 +139,7 @@ def parse_args(argv=None):
     p.add_argument('--quick', action='store_true',
                    help='smoke run: 16 prompts of 32-128 tokens, 16-64 out, max batch 8, HF batch 8')
     p.add_argument('--timeout', type=float, default=3600, help='seconds each engine worker may run')
-    p.add_argument('--worker', choices=('lmd', 'hf'), help=argparse.SUPPRESS)
-    p.add_argument('--result-file', help=argparse.SUPPRESS)
-    p.add_argument('--model-dir', help=argparse.SUPPRESS)
-    p.add_argument('--prompt-file', help=argparse.SUPPRESS)
+    add_worker_args(p, ('lmd', 'hf'), '--prompt-file')
     p.add_argument('--pad-id', type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -167,7 +163,7 @@ def main(argv=None) -> int:
     if args.worker:
         guarded_worker(lmd_worker if args.worker == 'lmd' else hf_worker, args)
         return 0
-    load0 = os.getloadavg()
+    load0 = load_average()
     try:
         model_dir = resolve_model_dir(args.model)
     except Exception as e:
@@ -217,9 +213,7 @@ def main(argv=None) -> int:
         measured = report['ratios_lmd_over_hf']['output_tokens_per_s']
         report['targets'] = {'throughput_vs_hf_static_batches': {'target': 3.0, 'measured': measured,
                                                                   'met': bool(measured and measured >= 3.0)}}
-    # other work on the same cores skews every figure: the 1/5/15-minute load before and after
-    report['load_average'] = {'start': [round(x, 2) for x in load0], 'end': [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(report, indent=2))
+    emit(report, load0)
     return 2 if 'error' in lmd or 'error' in hf else 0
 
 

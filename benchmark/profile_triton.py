@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_restful_api as rest
-from profile_generation import log, ratio
+from common import add_engine_args, load_average, log, ratio
 from prompts import parse_range, resolve_model_dir
 
 PATHS = ('api_server', 'ensemble', 'lmd_model')
@@ -223,7 +223,7 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
             if bad:
                 raise RuntimeError(f'warmup failed: {bad[0]}')
         cpu0 = rest.tree_cpu_seconds(pid) if pid else None
-        load0, client0 = os.getloadavg()[0], time.process_time()
+        load0, client0 = load_average()[0], time.process_time()
         log(f'{path}: {len(requests)} requests')
         results, duration = load(requests)
         if tokenizer is not None:
@@ -233,7 +233,7 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
         if pid:
             out['server_cpu_utilization'] = round((rest.tree_cpu_seconds(pid) - cpu0) / duration, 2)
             out['server_peak_rss_mib'] = peak_rss() if peak_rss else rest.tree_peak_rss_mib(pid)
-        out['load_average'] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        out['load_average'] = [load0, load_average()[0]]
         out['texts'] = {r.index: r.text for r in results if r.ok}
         out['sample_text'] = {r.index: r.text[:160] for r in results[:3] if r.ok}
         if out['failed']:
@@ -388,7 +388,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--paths', default=','.join(PATHS), help=f'comma-separated: {", ".join(PATHS)}')
-    p.add_argument('--backend', choices=('turbomind', 'pytorch'), default='turbomind')
+    add_engine_args(p, backends=('turbomind', 'pytorch'), threads=False,
+                    model_help='the model every path serves; its tokenizer makes the prompts')
     p.add_argument('--model-format', default=None, help='the engine\'s --model-format on every path (default: auto)')
     p.add_argument('--num-prompts', type=int, default=128)
     p.add_argument('--input-len', default='64,512', help='prompt tokens: N or LO,HI (uniform, inclusive)')
@@ -396,7 +397,6 @@ def parse_args(argv=None):
     p.add_argument('--concurrency', type=int, default=16, help='at most this many requests in flight (0: no limit)')
     p.add_argument('--warmup', type=int, default=2, help='short requests on each path before its timed run')
     p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--model', default='smollm2', help='the model every path serves; its tokenizer makes the prompts')
     p.add_argument('--max-batch-size', type=int, default=16, help="the engine's max_batch_size on every path")
     p.add_argument('--postprocessing-instances', type=int, default=1,
                    help="instances of the ensemble's postprocessing model (build_repository's postprocessing_instances)")
