@@ -203,14 +203,19 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
         const int64_t row = rows.ptr<int64_t>()[r];
         if (row < 0 || row >= T) fail("logit_rows[" + std::to_string(r) + "] = " + std::to_string(row) + " is not a row of the step");
     }
+    // each row its own table here (a sequence of one row): the engine's batch gives one per sequence
+    std::vector<int32_t> row_seqs(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) row_seqs[t] = static_cast<int32_t>(t);
     StepInputs in;
     in.token_ids = ids.ptr<int64_t>();
     in.positions = pos.ptr<int64_t>();
     in.slots = slots.ptr<int64_t>();
-    in.row_tables = tables.ptr<int32_t>();
+    in.row_seqs = row_seqs.data();
     in.row_lens = lens.ptr<int32_t>();
+    in.block_tables = tables.ptr<int32_t>();
     in.logit_rows = rows.ptr<int64_t>();
     in.num_tokens = T;
+    in.num_seqs = T;
     in.max_blocks = max_blocks;
     in.num_logit_rows = R;
     py::gil_scoped_release release;

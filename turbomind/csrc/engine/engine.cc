@@ -13,6 +13,7 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
       config_(config),
       constraint_ops_(std::move(constraint_ops)),
       blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
+      scheduler_(blocks_, config.max_batch_size, config.max_num_batched_tokens),
       sampler_(config.sampler_seed) {
     update_stats();
     thread_ = std::thread([this] { loop(); });
@@ -82,40 +83,23 @@ void Engine::loop() {
         bool closing;
         {
             std::unique_lock<std::mutex> lock(mutex_);
-            inbox_cv_.wait(lock, [this] { return !inbox_.empty() || closing_ || !waiting_.empty() || !running_.empty(); });
+            inbox_cv_.wait(lock, [this] { return !inbox_.empty() || closing_ || scheduler_.has_work(); });
             inbox.swap(inbox_);
             closing = closing_;
         }
         for (Message & m : inbox) handle(m);
         if (closing) {
-            // everything queued or running ends with abort; requests that arrived with close() too
-            std::vector<Sequence *> pending(running_.begin(), running_.end());
-            pending.insert(pending.end(), waiting_.begin(), waiting_.end());
-            for (Sequence * seq : pending) finish(seq, Finish::abort);
-            update_stats();
-            std::vector<Message> late;  // destroyed after the lock is let go: a Constraint's destructor takes the GIL
-            std::lock_guard<std::mutex> lock(mutex_);
-            for (Message & m : inbox_) {
-                if (m.kind == Message::add) {
-                    Output o;
-                    o.session_id = m.request.session_id;
-                    o.finish = Finish::abort;
-                    outbox_.push_back(std::move(o));
-                }
-            }
-            late.swap(inbox_);
-            stopped_ = true;
-            outbox_cv_.notify_all();
+            abort_all();
             return;
         }
         bool progressed = true;
-        if (!waiting_.empty() || !running_.empty()) {
+        if (scheduler_.has_work()) {
             try {
                 progressed = step();
             } catch (const std::exception & e) {
                 // a failed step fails its requests; the loop goes on for everyone else
-                std::vector<Sequence *> pending(running_.begin(), running_.end());
-                for (Sequence * seq : pending) finish(seq, Finish::error, {}, {}, e.what());
+                std::vector<Sequence *> running = scheduler_.running();
+                for (Sequence * seq : running) finish(of(seq), Finish::error, {}, {}, e.what());
             }
         }
         update_stats();
@@ -126,6 +110,27 @@ void Engine::loop() {
     }
 }
 
+// close(): everything queued or running ends with abort; requests that arrived with close() too.
+void Engine::abort_all() {
+    std::vector<Sequence *> pending(scheduler_.running().begin(), scheduler_.running().end());
+    pending.insert(pending.end(), scheduler_.waiting().begin(), scheduler_.waiting().end());
+    for (Sequence * seq : pending) finish(of(seq), Finish::abort);
+    update_stats();
+    std::vector<Message> late;  // destroyed after the lock is let go: a Constraint's destructor takes the GIL
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Message & m : inbox_) {
+        if (m.kind == Message::add) {
+            Output o;
+            o.session_id = m.request.session_id;
+            o.finish = Finish::abort;
+            outbox_.push_back(std::move(o));
+        }
+    }
+    late.swap(inbox_);
+    stopped_ = true;
+    outbox_cv_.notify_all();
+}
+
 void Engine::handle(Message & m) {
     if (m.kind == Message::add) {
         on_add(m.request);
@@ -133,9 +138,9 @@ void Engine::handle(Message & m) {
     }
     auto it = seqs_.find(m.session_id);
     if (it == seqs_.end()) return;
-    Sequence * seq = it->second.get();
+    EngineSequence * seq = it->second.get();
     if (m.kind == Message::end) seq->sequence_end = true;
-    if (seq->status == Status::waiting || seq->status == Status::running) {
+    if (seq->status == SequenceStatus::waiting || seq->status == SequenceStatus::running) {
         finish(seq, Finish::abort);
     } else if (m.kind == Message::end) {
         finish(seq, Finish::none);  // a kept session is dropped silently
@@ -145,7 +150,7 @@ void Engine::handle(Message & m) {
 void Engine::on_add(Request & r) {
     const int64_t sid = r.session_id;
     auto it = seqs_.find(sid);
-    Sequence * seq = it == seqs_.end() ? nullptr : it->second.get();
+    EngineSequence * seq = it == seqs_.end() ? nullptr : it->second.get();
     if (r.sequence_start || seq == nullptr) {
         if (seq != nullptr) finish(seq, Finish::none);  // a new session under a kept id replaces it
         if (!r.sequence_start) {  // ended between validation and now
@@ -157,243 +162,104 @@ void Engine::on_add(Request & r) {
             return;
         }
         num_prompt_tokens_ += static_cast<int64_t>(r.token_ids.size());
-        auto fresh = std::make_unique<Sequence>();
+        auto fresh = std::make_unique<EngineSequence>();
         seq = fresh.get();
         seq->session_id = sid;
         seq->blocks.token_ids = std::move(r.token_ids);
+        seq->num_prompt_tokens = seq->num_tokens();
         seqs_[sid] = std::move(fresh);
+        scheduler_.add(seq);
     } else {  // the next turn of a kept session
-        idle_.remove(seq);
         num_prompt_tokens_ += static_cast<int64_t>(r.token_ids.size());
-        seq->blocks.token_ids.insert(seq->blocks.token_ids.end(), r.token_ids.begin(), r.token_ids.end());
+        seq->start_turn(r.token_ids);
+        scheduler_.resume(seq);
     }
-    seq->num_prompt_tokens = seq->blocks.num_tokens();
-    seq->num_cached_tokens = 0;
-    seq->is_admitted = false;
     seq->max_new_tokens = r.max_new_tokens;
     seq->sampling = r.sampling;
     seq->sampling_state = std::make_unique<SamplingState>(seq->sampling, seq->blocks.token_ids.data(),
-                                                          seq->blocks.num_tokens());
+                                                          seq->num_tokens());
     seq->constraint = std::move(r.constraint);
     seq->sampling_state->constrained = seq->constraint != nullptr;
     seq->sequence_end = r.sequence_end;
-    seq->status = Status::waiting;
-    waiting_.push_back(seq);
     if (seq->max_new_tokens == 0) finish(seq, Finish::length);
-}
-
-// ---- scheduling ---------------------------------------------------------------------------------
-
-Engine::Scheduled Engine::schedule() {
-    Scheduled out;
-    int64_t budget = config_.max_num_batched_tokens;
-    bool preempted = false;
-
-    size_t i = 0;
-    while (i < running_.size() && budget > 0) {
-        Sequence * seq = running_[i];
-        const int64_t n = std::min(seq->blocks.num_tokens() - seq->blocks.num_computed_tokens, budget);
-        if (n <= 0) {
-            ++i;
-            continue;
-        }
-        bool self_preempted = false;
-        while (!blocks_.allocate(seq->blocks, seq->blocks.num_computed_tokens + n)) {
-            if (release_kept(nullptr)) continue;
-            Sequence * victim = running_.back();  // newest
-            running_.pop_back();
-            preempt(victim);
-            preempted = true;
-            if (victim == seq) {
-                self_preempted = true;
-                break;
-            }
-        }
-        if (self_preempted) break;  // nothing after it is left in running
-        out.seqs.push_back(seq);
-        out.counts.push_back(n);
-        budget -= n;
-        ++i;
-    }
-
-    while (!waiting_.empty() && !preempted && budget > 0 &&
-           static_cast<int64_t>(running_.size()) < config_.max_batch_size) {
-        Sequence * seq = waiting_.front();
-        if (blocks_.blocks_needed(seq->blocks.num_tokens()) > blocks_.num_blocks()) {
-            waiting_.pop_front();
-            blocks_.free(seq->blocks);
-            seq->status = Status::finished;
-            out.failed.emplace_back(seq, "its " + std::to_string(seq->blocks.num_tokens()) +
-                                             " tokens need more KV blocks than the cache has (" +
-                                             std::to_string(blocks_.num_blocks()) + " blocks of " +
-                                             std::to_string(blocks_.block_size()) + ")");
-            continue;
-        }
-        PrefixMatch prefix;
-        if (seq->blocks.block_ids.empty()) {  // admission from scratch: look in the prefix cache
-            prefix = blocks_.match_prefix(seq->blocks.token_ids);
-            seq->blocks.num_computed_tokens = prefix.num_cached_tokens;
-        }
-        const int64_t n = std::min(seq->blocks.num_tokens() - seq->blocks.num_computed_tokens, budget);
-        bool ok = false;
-        while (!(ok = blocks_.allocate(seq->blocks, seq->blocks.num_computed_tokens + n, prefix.block_ids))) {
-            if (!release_kept(seq)) break;
-        }
-        if (!ok) {
-            if (seq->blocks.block_ids.empty()) seq->blocks.num_computed_tokens = 0;
-            break;  // FIFO: the head waits for blocks, nobody overtakes it
-        }
-        waiting_.pop_front();
-        if (!seq->is_admitted) {  // first admission of this turn: what the cache saved it
-            seq->is_admitted = true;
-            seq->num_cached_tokens = std::min(seq->blocks.num_computed_tokens, seq->num_prompt_tokens);
-        }
-        seq->status = Status::running;
-        running_.push_back(seq);
-        out.seqs.push_back(seq);
-        out.counts.push_back(n);
-        budget -= n;
-    }
-    return out;
-}
-
-void Engine::preempt(Sequence * seq) {
-    blocks_.free(seq->blocks);
-    seq->blocks.num_computed_tokens = 0;
-    seq->status = Status::waiting;
-    waiting_.push_front(seq);
-    ++num_preemptions_;
-}
-
-bool Engine::release_kept(Sequence * but) {
-    Sequence * victim = nullptr;
-    for (Sequence * s : idle_) {
-        if (!s->blocks.block_ids.empty()) {
-            victim = s;
-            break;
-        }
-    }
-    if (victim == nullptr) {
-        for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {
-            if (!(*it)->blocks.block_ids.empty() && *it != but) {
-                victim = *it;
-                break;
-            }
-        }
-    }
-    if (victim == nullptr) return false;
-    blocks_.free(victim->blocks);
-    victim->blocks.num_computed_tokens = 0;
-    return true;
-}
-
-void Engine::dequeue(Sequence * seq) {
-    switch (seq->status) {
-        case Status::running: running_.erase(std::find(running_.begin(), running_.end(), seq)); break;
-        case Status::waiting: waiting_.erase(std::find(waiting_.begin(), waiting_.end(), seq)); break;
-        case Status::idle: idle_.remove(seq); break;
-        case Status::finished: break;
-    }
 }
 
 // ---- one step -----------------------------------------------------------------------------------
 
+// False when nothing could run (the queue's head waits for blocks).
 bool Engine::step() {
-    Scheduled s = schedule();
-    for (auto & [seq, why] : s.failed) finish(seq, Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + why);
-    if (s.seqs.empty()) return !s.failed.empty();
+    SchedulerOutput out = scheduler_.schedule();
+    for (auto & [seq, why] : out.failed) {
+        finish(of(seq), Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + why);
+    }
+    if (out.empty()) return !out.failed.empty();
+    const StepInputs & in = batch_.build(out, config_.block_size);
+    if (!forward(in, out)) return true;
+    scheduler_.update(out);
+    sample(batch_.sampled());
+    emit_tokens(batch_.sampled());
+    return true;
+}
 
-    const int64_t bs = config_.block_size;
-    std::vector<int64_t> ids, positions, slots, logit_rows;
-    std::vector<int32_t> lens;
-    std::vector<Sequence *> sampled;
-    int64_t max_blocks = 0;
-    for (size_t i = 0; i < s.seqs.size(); ++i) {
-        max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(s.seqs[i]->blocks.block_ids.size()));
-    }
-    std::vector<int32_t> tables;
-    for (size_t i = 0; i < s.seqs.size(); ++i) {
-        Sequence * seq = s.seqs[i];
-        const BlockSequence & b = seq->blocks;
-        const int64_t start = b.num_computed_tokens, end = start + s.counts[i];
-        for (int64_t pos = start; pos < end; ++pos) {
-            ids.push_back(b.token_ids[pos]);
-            positions.push_back(pos);
-            slots.push_back(static_cast<int64_t>(b.block_ids[pos / bs]) * bs + pos % bs);
-            lens.push_back(static_cast<int32_t>(pos + 1));
-            tables.insert(tables.end(), b.block_ids.begin(), b.block_ids.end());
-            tables.resize(tables.size() + (max_blocks - b.block_ids.size()), 0);
-        }
-        if (end == b.num_tokens()) {  // caught up: its next token is sampled from this row
-            logit_rows.push_back(static_cast<int64_t>(ids.size()) - 1);
-            sampled.push_back(seq);
-        }
-    }
-    StepInputs in;
-    in.token_ids = ids.data();
-    in.positions = positions.data();
-    in.slots = slots.data();
-    in.row_tables = tables.data();
-    in.row_lens = lens.data();
-    in.logit_rows = logit_rows.data();
-    in.num_tokens = static_cast<int64_t>(ids.size());
-    in.max_blocks = max_blocks;
-    in.num_logit_rows = static_cast<int64_t>(logit_rows.size());
-    const int64_t vocab = model_->config().vocab_size;
-    logits_.resize(static_cast<size_t>(in.num_logit_rows * vocab));
+// Runs the model into logits_; a failure fails the step's sequences (false).
+bool Engine::forward(const StepInputs & in, const SchedulerOutput & out) {
+    logits_.resize(static_cast<size_t>(in.num_logit_rows * model_->config().vocab_size));
     try {
         model_->forward(in, logits_.data());
     } catch (const std::exception & e) {
-        for (Sequence * seq : s.seqs) finish(seq, Finish::error, {}, {}, e.what());
-        return true;
+        for (Sequence * seq : out.seqs) finish(of(seq), Finish::error, {}, {}, e.what());
+        return false;
     }
-    for (size_t i = 0; i < s.seqs.size(); ++i) {  // their tokens are in the cache now
-        s.seqs[i]->blocks.num_computed_tokens += s.counts[i];
-        blocks_.cache_full_blocks(s.seqs[i]->blocks);
-    }
-    if (sampled.empty()) return true;
-    std::vector<const SamplingState *> states;
-    for (Sequence * seq : sampled) states.push_back(seq->sampling_state.get());
-    const int64_t batch = static_cast<int64_t>(sampled.size());
+    return true;
+}
 
-    // structured output: the constrained rows' bitmasks, one call for all of them
-    std::vector<size_t> con_rows;  // rows of sampled with a constraint
-    for (size_t i = 0; i < sampled.size(); ++i) {
-        if (sampled[i]->constraint) con_rows.push_back(i);
+// Each row's next token from its logits (rows[i]: row i of logits_), and what that token means
+// for it: stops_[i] (a stop token ends the turn), row_errors_[i] (its grammar failed). The
+// constrained rows' grammars are asked for bitmasks before and take their tokens after, each
+// time in one call for all of them.
+void Engine::sample(const std::vector<Sequence *> & rows) {
+    const size_t n = rows.size();
+    const int64_t vocab = model_->config().vocab_size;
+    row_errors_.assign(n, std::string());
+    stops_.assign(n, 0);
+    sampled_ids_.resize(n);
+    if (n == 0) return;
+    std::vector<const SamplingState *> states;
+    for (Sequence * seq : rows) states.push_back(of(seq)->sampling_state.get());
+
+    std::vector<size_t> con_rows;  // rows with a constraint
+    for (size_t i = 0; i < n; ++i) {
+        if (of(rows[i])->constraint) con_rows.push_back(i);
     }
     std::vector<const int32_t *> masks;  // per row: its bitmask or null
-    std::vector<std::string> con_errors(sampled.size());
     if (!con_rows.empty()) {
         const int64_t words = (vocab + 31) / 32;
         std::vector<Constraint *> cs;
-        for (size_t i : con_rows) cs.push_back(sampled[i]->constraint.get());
+        for (size_t i : con_rows) cs.push_back(of(rows[i])->constraint.get());
         std::vector<std::string> errors(cs.size());
         bitmask_.assign(cs.size() * words, -1);  // a row that fails stays all-allowed
         constraint_ops_->fill_bitmasks(cs.data(), static_cast<int64_t>(cs.size()), bitmask_.data(), words,
                                        errors.data());
-        masks.assign(sampled.size(), nullptr);
+        masks.assign(n, nullptr);
         for (size_t j = 0; j < con_rows.size(); ++j) {
             masks[con_rows[j]] = bitmask_.data() + j * words;
-            con_errors[con_rows[j]] = std::move(errors[j]);
+            row_errors_[con_rows[j]] = std::move(errors[j]);
         }
     }
-    sampled_ids_.resize(sampled.size());
-    sampler_.sample(logits_.data(), batch, vocab, vocab, states.data(), sampled_ids_.data(), &sampled_logprobs_,
-                    masks.empty() ? nullptr : masks.data());
+    sampler_.sample(logits_.data(), static_cast<int64_t>(n), vocab, vocab, states.data(), sampled_ids_.data(),
+                    &sampled_logprobs_, masks.empty() ? nullptr : masks.data());
 
-    // what ends each row, and the constrained rows' tokens to accept (again one call)
-    std::vector<uint8_t> stops(sampled.size(), 0);
     std::vector<Constraint *> accepting;
     std::vector<int32_t> accepted_ids;
     std::vector<size_t> accepted_rows;
-    for (size_t i = 0; i < sampled.size(); ++i) {
-        Sequence * seq = sampled[i];
+    for (size_t i = 0; i < n; ++i) {
+        EngineSequence * seq = of(rows[i]);
         const SamplingParams & sp = seq->sampling;
         const int32_t token = sampled_ids_[i];
         const bool is_stop = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end();
         // a grammar, not min_new_tokens, decides where a constrained answer ends
-        stops[i] = is_stop && (seq->num_generated() >= sp.min_new_tokens || seq->constraint);
-        if (seq->constraint && !stops[i] && con_errors[i].empty()) {
+        stops_[i] = is_stop && (seq->num_generated_tokens() >= sp.min_new_tokens || seq->constraint);
+        if (seq->constraint && !stops_[i] && row_errors_[i].empty()) {
             accepting.push_back(seq->constraint.get());
             accepted_ids.push_back(token);
             accepted_rows.push_back(i);
@@ -403,19 +269,22 @@ bool Engine::step() {
         std::vector<std::string> errors(accepting.size());
         constraint_ops_->accept(accepting.data(), accepted_ids.data(), static_cast<int64_t>(accepting.size()),
                                 errors.data());
-        for (size_t j = 0; j < accepted_rows.size(); ++j) con_errors[accepted_rows[j]] = std::move(errors[j]);
+        for (size_t j = 0; j < accepted_rows.size(); ++j) row_errors_[accepted_rows[j]] = std::move(errors[j]);
     }
+}
 
-    for (size_t i = 0; i < sampled.size(); ++i) {
-        Sequence * seq = sampled[i];
+// Each sampled row's token joins its context and goes out, or ends its turn.
+void Engine::emit_tokens(const std::vector<Sequence *> & rows) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+        EngineSequence * seq = of(rows[i]);
         const SamplingParams & sp = seq->sampling;
         const int32_t token = sampled_ids_[i];
-        if (stops[i]) {
+        if (stops_[i]) {
             finish(seq, Finish::stop);  // the stop token is neither output nor kept in the session
             continue;
         }
-        if (!con_errors[i].empty()) {
-            finish(seq, Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + con_errors[i]);
+        if (!row_errors_[i].empty()) {
+            finish(seq, Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + row_errors_[i]);
             continue;
         }
         if (seq->constraint) {
@@ -430,7 +299,7 @@ bool Engine::step() {
         ++num_generated_tokens_;
         std::vector<std::vector<TokenLogprob>> lps;
         if (sp.logprobs >= 0) lps.push_back(std::move(sampled_logprobs_[i]));
-        if (seq->num_generated() >= seq->max_new_tokens || seq->blocks.num_tokens() >= config_.session_len) {
+        if (seq->num_generated_tokens() >= seq->max_new_tokens || seq->num_tokens() >= config_.session_len) {
             finish(seq, Finish::length, {token}, std::move(lps));
             continue;
         }
@@ -442,13 +311,14 @@ bool Engine::step() {
         o.num_cached_tokens = seq->num_cached_tokens;
         emit(std::move(o));
     }
-    return true;
 }
 
-void Engine::finish(Sequence * seq, Finish reason, std::vector<int32_t> tokens,
+// Ends seq's turn (reason none: a kept session dropped silently); an interactive session stays
+// kept, idle, with its blocks until the scheduler needs them.
+void Engine::finish(EngineSequence * seq, Finish reason, std::vector<int32_t> tokens,
                     std::vector<std::vector<TokenLogprob>> lps, std::string error) {
     const bool keep = !seq->sequence_end && (reason == Finish::stop || reason == Finish::length || reason == Finish::abort);
-    dequeue(seq);
+    scheduler_.finish(seq, keep);
     const int64_t sid = seq->session_id;
     Output o;
     o.session_id = sid;
@@ -457,17 +327,10 @@ void Engine::finish(Sequence * seq, Finish reason, std::vector<int32_t> tokens,
     o.finish = reason;
     o.num_prompt_tokens = seq->num_prompt_tokens;
     o.num_cached_tokens = seq->num_cached_tokens;
-    o.num_context_tokens = seq->blocks.num_tokens();
+    o.num_context_tokens = seq->num_tokens();
     o.kept = keep;
     o.error = std::move(error);
-    if (keep) {
-        seq->status = Status::idle;
-        idle_.push_back(seq);
-    } else {
-        blocks_.free(seq->blocks);
-        seq->status = Status::finished;
-        seqs_.erase(sid);  // seq is gone from here on
-    }
+    if (!keep) seqs_.erase(sid);  // seq is gone from here on
     if (reason != Finish::none) emit(std::move(o));
 }
 
@@ -482,14 +345,14 @@ void Engine::update_stats() {
         pending_.clear();
         outbox_cv_.notify_all();
     }
-    stats_.num_running = static_cast<int64_t>(running_.size());
-    stats_.num_waiting = static_cast<int64_t>(waiting_.size());
+    stats_.num_running = static_cast<int64_t>(scheduler_.running().size());
+    stats_.num_waiting = static_cast<int64_t>(scheduler_.waiting().size());
     stats_.num_total_blocks = blocks_.num_blocks();
     stats_.num_free_blocks = blocks_.num_free_blocks();
     stats_.num_cached_blocks = blocks_.num_cached_blocks();
     stats_.num_prefix_hit_tokens = blocks_.num_prefix_hit_tokens();
     stats_.num_prefix_query_tokens = blocks_.num_prefix_query_tokens();
-    stats_.num_preemptions = num_preemptions_;
+    stats_.num_preemptions = scheduler_.num_preemptions();
     stats_.num_prompt_tokens = num_prompt_tokens_;
     stats_.num_generated_tokens = num_generated_tokens_;
 }

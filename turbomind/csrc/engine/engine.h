@@ -2,12 +2,10 @@
 // model, all in C++. Python posts requests and collects outputs; neither waits on the other
 // while a step runs (the GIL is never held by the engine thread).
 //
-// The rule of a step (the same as pytorch_backend/scheduler.py): every sequence has
-// num_computed_tokens and num_tokens; a step gives each the tokens that let it catch up,
-// within max_num_batched_tokens and max_batch_size. Running sequences first, oldest first (a
-// decode needs one token, a chunked prefill the rest of its prompt), then waiting ones in FIFO
-// order. When blocks run out, idle sessions give theirs up first, then the newest running
-// sequence is preempted and recomputed later (its generated tokens stay in its context).
+// Split as llama.cpp splits its context: the Scheduler (engine/scheduler.h) decides which
+// sequences run and how many tokens each, the Batch (engine/batch.h) turns that into the model's
+// inputs, LlamaModel runs them, and the engine itself owns the threads, the inbox and outbox,
+// sampling and outputs. A step reads: schedule -> build -> forward -> sample -> emit.
 //
 // Structured output: a request may carry a Constraint (its grammar, owned by the layer above:
 // lmd.guided.TokenConstraint behind the binding). Each step the engine asks ConstraintOps for
@@ -19,18 +17,17 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
+#include "engine/batch.h"
 #include "engine/block_manager.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 #include "models/llama.h"
 
 namespace turbomind {
@@ -118,22 +115,16 @@ public:
     bool closed() const;
 
 private:
-    enum class Status { waiting, running, idle, finished };
-
-    struct Sequence {
-        int64_t session_id = 0;
-        BlockSequence blocks;  // token ids, computed count, blocks
-        int64_t num_prompt_tokens = 0;
-        int64_t num_cached_tokens = 0;
-        Status status = Status::waiting;
+    // A sequence as the engine holds it: the scheduler's fields and what sampling and outputs need.
+    struct EngineSequence : Sequence {
         int64_t max_new_tokens = 0;
         SamplingParams sampling;
         std::unique_ptr<SamplingState> sampling_state;
         std::unique_ptr<Constraint> constraint;  // this turn's grammar, or null
         bool sequence_end = true;
-        bool is_admitted = false;
-        int64_t num_generated() const { return blocks.num_tokens() - num_prompt_tokens; }
     };
+    // every sequence the scheduler holds is one of the engine's
+    static EngineSequence * of(Sequence * seq) { return static_cast<EngineSequence *>(seq); }
 
     struct Message {
         enum Kind { add, abort, end } kind;
@@ -144,38 +135,36 @@ private:
     void loop();
     void handle(Message & m);
     void on_add(Request & r);
+    void abort_all();
+
+    // one step and its phases
     bool step();
-    void finish(Sequence * seq, Finish reason, std::vector<int32_t> tokens = {},
+    bool forward(const StepInputs & in, const SchedulerOutput & out);
+    void sample(const std::vector<Sequence *> & rows);
+    void emit_tokens(const std::vector<Sequence *> & rows);
+
+    void finish(EngineSequence * seq, Finish reason, std::vector<int32_t> tokens = {},
                 std::vector<std::vector<TokenLogprob>> lps = {}, std::string error = {});
     void emit(Output out);
     void update_stats();
-
-    // the scheduler (engine thread only)
-    struct Scheduled {
-        std::vector<Sequence *> seqs;
-        std::vector<int64_t> counts;
-        std::vector<std::pair<Sequence *, std::string>> failed;
-    };
-    Scheduled schedule();
-    void preempt(Sequence * seq);
-    bool release_kept(Sequence * but);
-    void dequeue(Sequence * seq);
 
     std::shared_ptr<LlamaModel> model_;
     EngineConfig config_;
     std::shared_ptr<ConstraintOps> constraint_ops_;
     BlockManager blocks_;
+    Scheduler scheduler_;
+    Batch batch_;
     Sampler sampler_;
 
     // engine thread only
-    std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
-    std::deque<Sequence *> waiting_;
-    std::vector<Sequence *> running_;
-    std::list<Sequence *> idle_;  // least recently used first
-    int64_t num_preemptions_ = 0, num_prompt_tokens_ = 0, num_generated_tokens_ = 0;
-    std::vector<float> logits_;
+    std::unordered_map<int64_t, std::unique_ptr<EngineSequence>> seqs_;
+    int64_t num_prompt_tokens_ = 0, num_generated_tokens_ = 0;
+    std::vector<float> logits_;  // [sampled rows, vocab] of the step
+    // per sampled row of the step: its token, logprobs, whether it ends the turn, what failed
     std::vector<int32_t> sampled_ids_;
     std::vector<std::vector<TokenLogprob>> sampled_logprobs_;
+    std::vector<uint8_t> stops_;
+    std::vector<std::string> row_errors_;
     std::vector<int32_t> bitmask_;  // [constrained rows, ceil(vocab / 32)] of the step
     std::vector<Output> pending_;  // outputs of this iteration, published by update_stats()
 

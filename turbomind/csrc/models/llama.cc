@@ -116,7 +116,8 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
 
     TensorView pos = view(const_cast<int64_t *>(in.positions), DType::i64, {T});
     TensorView slots = view(const_cast<int64_t *>(in.slots), DType::i64, {T});
-    TensorView tables = view(const_cast<int32_t *>(in.row_tables), DType::i32, {T, in.max_blocks});
+    TensorView tables = view(const_cast<int32_t *>(in.block_tables), DType::i32, {in.num_seqs, in.max_blocks});
+    TensorView row_seqs = view(const_cast<int32_t *>(in.row_seqs), DType::i32, {T});
     TensorView lens = view(const_cast<int32_t *>(in.row_lens), DType::i32, {T});
 
     // embedding rows (a tied embedding is read out of the packed lm_head's panels)
@@ -159,7 +160,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
             }
         }
         cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
-        cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, attn, kv_quant);
+        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant);
         apply(attn2d, w.o, delta);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
         apply(x, w.gate_up, gu);

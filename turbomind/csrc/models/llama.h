@@ -1,6 +1,7 @@
 // The Llama family (Llama, Mistral, Qwen2, Qwen3) in C++ over a paged KV cache that the
 // model owns. One forward pass runs the tokens of any mix of sequences: each token row
-// says which cache slot its K/V goes to, and which blocks and how many tokens it sees.
+// says which cache slot its K/V goes to, which sequence's blocks it reads and how many tokens
+// it sees.
 #pragma once
 
 #include <cstdint>
@@ -65,15 +66,19 @@ struct LlamaWeights {
     std::vector<LlamaLayerWeights> layers;
 };
 
-// What one forward pass runs: T token rows, R of which want logits.
+// What one forward pass runs: T token rows of S sequences, R rows of which want logits. A
+// sequence's block table is given once, however many of its rows the step runs (a prefill chunk
+// and decodes mix freely).
 struct StepInputs {
-    const int64_t * token_ids = nullptr;   // [T]
-    const int64_t * positions = nullptr;   // [T]
-    const int64_t * slots = nullptr;       // [T] block * block_size + offset where the row's K/V goes
-    const int32_t * row_tables = nullptr;  // [T, max_blocks] the blocks each row reads, in order
-    const int32_t * row_lens = nullptr;    // [T] tokens each row attends to (itself included)
-    const int64_t * logit_rows = nullptr;  // [R] rows whose logits are wanted
+    const int64_t * token_ids = nullptr;     // [T]
+    const int64_t * positions = nullptr;     // [T]
+    const int64_t * slots = nullptr;         // [T] block * block_size + offset where the row's K/V goes
+    const int32_t * row_seqs = nullptr;      // [T] the sequence of each row: its row of block_tables
+    const int32_t * row_lens = nullptr;      // [T] tokens each row attends to (itself included)
+    const int32_t * block_tables = nullptr;  // [S, max_blocks] each sequence's blocks, in order
+    const int64_t * logit_rows = nullptr;    // [R] rows whose logits are wanted
     int64_t num_tokens = 0;
+    int64_t num_seqs = 0;
     int64_t max_blocks = 0;
     int64_t num_logit_rows = 0;
 };

@@ -68,9 +68,13 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
     });
 }
 
-void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                            const TensorView & out, const KVQuant * kv_quant, bool reference) {
+namespace {
+
+// row_seqs: the table row of each query row (null: row b reads table b). A task sees its own
+// sequence's table as a one-row view with stride 0, so the tasks index it by b unchanged.
+void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                     const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
+                     float scale, const TensorView & out, const KVQuant * kv_quant, bool reference) {
     const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
     const int32_t * lens = context_lens.ptr<int32_t>();
@@ -89,18 +93,39 @@ void paged_decode_attention(const TensorView & q, const TensorView & k_cache, co
 #endif
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+            TensorView table = block_tables;
+            if (row_seqs) {
+                table.data = block_tables.ptr<int32_t>() + row_seqs[b] * block_tables.stride(0);
+                table.strides[0] = 0;
+            }
             if (vector && kv_quant) {
-                avx2::decode_attention_quant_task(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                                                  *kv_quant, b, h, scratch.data());
+                avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, out, *kv_quant, b,
+                                                  h, scratch.data());
             } else if (vector) {
-                avx2::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, h,
+                avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, b, h,
                                             scratch.data());
             } else {
-                ref::decode_attention_task(q, k_cache, v_cache, block_tables, context_lens, scale, out, kv_quant, b,
-                                           h, scratch.data());
+                ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, kv_quant, b, h,
+                                           scratch.data());
             }
         }
     }
+}
+
+}  // namespace
+
+void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                            const TensorView & block_tables, const TensorView & context_lens, float scale,
+                            const TensorView & out, const KVQuant * kv_quant, bool reference) {
+    paged_attention(q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, out, kv_quant, reference);
+}
+
+void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                            const TensorView & block_tables, const TensorView & row_seqs,
+                            const TensorView & context_lens, float scale, const TensorView & out,
+                            const KVQuant * kv_quant, bool reference) {
+    paged_attention(q, k_cache, v_cache, block_tables, row_seqs.ptr<int32_t>(), context_lens, scale, out, kv_quant,
+                    reference);
 }
 
 namespace {

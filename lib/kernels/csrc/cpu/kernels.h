@@ -47,6 +47,12 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
                             const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false);
+// The same over query rows of several sequences, each sequence's table given once:
+// block_tables: [S, max_blocks] int32; row_seqs: [B] int32, the table each query row reads.
+void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                            const TensorView & block_tables, const TensorView & row_seqs,
+                            const TensorView & context_lens, float scale, const TensorView & out,
+                            const KVQuant * kv_quant = nullptr, bool reference = false);
 
 // out[M, H] = rms_norm(x) * w, normalised in float32; with `residual` (same shape as x):
 // residual += x first and the sum is normalised (the pre-norm residual stream).
