@@ -1,6 +1,7 @@
-// lmd.turbomind._turbomind.engine_parts: the C++ engine's block manager and sampler, bound for
-// tests (the engine thread calls them from C++). Names and return shapes follow the Python
-// versions in pytorch_backend/: match_prefix -> (block_ids, num_cached_tokens), logprobs as
+// lmd.turbomind._turbomind.engine_parts: the C++ engine's block manager, scheduler and sampler,
+// bound for tests (the engine thread calls them from C++). Names and return shapes follow the
+// Python versions in pytorch_backend/: match_prefix -> (block_ids, num_cached_tokens), a
+// sequence's status as SequenceStatus's value ('waiting', ...), logprobs as
 // [(token_id, logprob), ...] with the chosen token first. Wrong arguments raise ValueError
 // naming the field; broken accounting raises AssertionError, like the Python asserts.
 #include <pybind11/numpy.h>
@@ -11,10 +12,12 @@
 #include <climits>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/block_manager.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 
 namespace py = pybind11;
 
@@ -324,11 +327,137 @@ void bind_sampler(py::module_ & m) {
     m.def("seeded_uniform", &Sampler::seeded_uniform, py::arg("seed"), py::arg("num_generated"));
 }
 
+
+// ---- scheduler
+
+const char * status_name(SequenceStatus s) {
+    switch (s) {
+        case SequenceStatus::waiting: return "waiting";
+        case SequenceStatus::running: return "running";
+        case SequenceStatus::idle: return "idle";
+        case SequenceStatus::finished: return "finished";
+    }
+    return "?";
+}
+
+// The scheduler holds sequences by pointer: the binding keeps their Python objects alive from
+// add() until finish(seq) without keep (a failed sequence too stays held until then).
+struct PyScheduler {
+    py::object block_manager;  // keeps the BlockManager the scheduler refers to alive
+    Scheduler scheduler;
+    std::unordered_map<const Sequence *, py::object> held;
+
+    PyScheduler(py::object bm, int64_t max_batch_size, int64_t max_num_batched_tokens)
+        : block_manager(bm), scheduler(bm.cast<BlockManager &>(), max_batch_size, max_num_batched_tokens) {}
+
+    void hold(py::object obj) {
+        const Sequence * seq = &obj.cast<const Sequence &>();
+        if (held.count(seq)) fail("Scheduler.add: session " + std::to_string(seq->session_id) + " is already queued");
+        held.emplace(seq, std::move(obj));
+    }
+    Sequence & of(py::object obj, const char * fn) {
+        Sequence & seq = obj.cast<Sequence &>();
+        if (!held.count(&seq)) fail(std::string("Scheduler.") + fn + ": session " + std::to_string(seq.session_id) + " is not in this scheduler");
+        return seq;
+    }
+};
+
+template <typename Seqs>
+py::list seq_list(const Seqs & seqs) {
+    py::list out;
+    for (Sequence * s : seqs) out.append(py::cast(s, py::return_value_policy::reference));
+    return out;
+}
+
+void bind_scheduler(py::module_ & m) {
+    py::class_<Sequence>(m, "Sequence", "What the scheduler reads and writes of a sequence (pytorch_backend/sequence.py's "
+                                        "fields of the same names).")
+        .def(py::init([](int64_t session_id, std::vector<int32_t> token_ids) {
+                 auto * s = new Sequence();
+                 s->session_id = session_id;
+                 s->blocks.token_ids = std::move(token_ids);
+                 s->num_prompt_tokens = s->num_tokens();
+                 return s;
+             }),
+             py::arg("session_id"), py::arg("token_ids"))
+        .def_readonly("session_id", &Sequence::session_id)
+        .def_property_readonly("token_ids", [](const Sequence & s) { return s.blocks.token_ids; })
+        .def_property_readonly("num_tokens", &Sequence::num_tokens)
+        .def_property_readonly("num_generated_tokens", &Sequence::num_generated_tokens)
+        .def_property_readonly("num_computed_tokens", [](const Sequence & s) { return s.blocks.num_computed_tokens; })
+        .def_property_readonly("block_ids", [](const Sequence & s) { return s.blocks.block_ids; })
+        .def_property_readonly("block_hashes", [](const Sequence & s) { return s.blocks.block_hashes; })
+        .def_property_readonly("blocks", [](Sequence & s) -> BlockSequence & { return s.blocks; },
+                               py::return_value_policy::reference_internal, "its BlockSequence (for check_invariants)")
+        .def_readonly("num_prompt_tokens", &Sequence::num_prompt_tokens)
+        .def_readonly("num_cached_tokens", &Sequence::num_cached_tokens)
+        .def_readonly("is_admitted", &Sequence::is_admitted)
+        .def_readonly("num_preemptions", &Sequence::num_preemptions)
+        .def_property_readonly("status", [](const Sequence & s) { return status_name(s.status); })
+        .def("append_token", [](Sequence & s, int32_t t) { s.blocks.token_ids.push_back(t); }, py::arg("token_id"))
+        .def("start_turn", &Sequence::start_turn, py::arg("token_ids"),
+             "an interactive session's next turn: its prompt follows the kept history");
+
+    py::class_<SchedulerOutput>(m, "SchedulerOutput")
+        .def_property_readonly("seqs", [](const SchedulerOutput & o) { return seq_list(o.seqs); })
+        .def_readonly("num_scheduled_tokens", &SchedulerOutput::num_scheduled_tokens)
+        .def_property_readonly("preempted", [](const SchedulerOutput & o) { return seq_list(o.preempted); })
+        .def_property_readonly("failed", [](const SchedulerOutput & o) {
+            py::list out;
+            for (const auto & [s, why] : o.failed) out.append(py::make_tuple(py::cast(s, py::return_value_policy::reference), why));
+            return out;
+        })
+        .def_property_readonly("is_empty", &SchedulerOutput::empty);
+
+    py::class_<PyScheduler>(m, "Scheduler")
+        .def(py::init([](py::object bm, int64_t max_batch_size, int64_t max_num_batched_tokens) {
+                 if (!py::isinstance<BlockManager>(bm)) fail("Scheduler: block_manager must be an engine_parts.BlockManager");
+                 if (max_batch_size < 1 || max_num_batched_tokens < 1) {
+                     fail("Scheduler needs max_batch_size >= 1 and max_num_batched_tokens >= 1, got " +
+                          std::to_string(max_batch_size) + ", " + std::to_string(max_num_batched_tokens));
+                 }
+                 return new PyScheduler(bm, max_batch_size, max_num_batched_tokens);
+             }),
+             py::arg("block_manager"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"))
+        .def_property_readonly("has_work", [](const PyScheduler & p) { return p.scheduler.has_work(); })
+        .def_property_readonly("num_preemptions", [](const PyScheduler & p) { return p.scheduler.num_preemptions(); })
+        .def_property_readonly("waiting", [](const PyScheduler & p) { return seq_list(p.scheduler.waiting()); })
+        .def_property_readonly("running", [](const PyScheduler & p) { return seq_list(p.scheduler.running()); })
+        .def_property_readonly("idle", [](const PyScheduler & p) { return seq_list(p.scheduler.idle()); },
+                               "kept sessions, least recently used first")
+        .def("add",
+             [](PyScheduler & p, py::object seq) {
+                 p.hold(seq);
+                 p.scheduler.add(&seq.cast<Sequence &>());
+             },
+             py::arg("seq"))
+        .def("resume",
+             [](PyScheduler & p, py::object obj) {
+                 Sequence & seq = p.of(obj, "resume");
+                 const auto & idle = p.scheduler.idle();
+                 if (std::find(idle.begin(), idle.end(), &seq) == idle.end()) {
+                     fail("Scheduler.resume: session " + std::to_string(seq.session_id) + " is not idle");
+                 }
+                 p.scheduler.resume(&seq);
+             },
+             py::arg("seq"))
+        .def("schedule", [](PyScheduler & p) { return p.scheduler.schedule(); })
+        .def("update", [](PyScheduler & p, const SchedulerOutput & out) { p.scheduler.update(out); }, py::arg("out"))
+        .def("finish",
+             [](PyScheduler & p, py::object obj, bool keep) {
+                 Sequence & seq = p.of(obj, "finish");
+                 p.scheduler.finish(&seq, keep);
+                 if (!keep) p.held.erase(&seq);
+             },
+             py::arg("seq"), py::arg("keep") = false);
+}
+
 }  // namespace
 
 void bind_engine_parts(py::module_ & m) {
-    py::module_ sub = m.def_submodule("engine_parts", "The C++ engine's block manager and sampler, bound for tests");
+    py::module_ sub = m.def_submodule("engine_parts", "The C++ engine's block manager, scheduler and sampler, bound for tests");
     bind_block_manager(sub);
+    bind_scheduler(sub);
     bind_sampler(sub);
 }
 
