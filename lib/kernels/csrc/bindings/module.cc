@@ -1,9 +1,13 @@
 // lmd.kernels._kernels: the kernel library's Python face. `ops` holds the kernels (each with
 // `reference=True` for its scalar reference); the rest says what this CPU and build can do
-// and manages the OpenMP threads the kernels run on.
+// and the threads the kernels run on (their own pool; OpenMP is torch's).
 #include <pybind11/pybind11.h>
 
+#include <atomic>
+#include <vector>
+
 #include "cpu/cpu_features.h"
+#include "cpu/parallel.h"
 
 #if defined(LMD_WITH_OPENMP)
 #include <omp.h>
@@ -46,8 +50,36 @@ PYBIND11_MODULE(_kernels, m) {
 #else
         return false;
 #endif
-    }, "Let the calling thread's idle OpenMP workers (torch's, after loading) exit. libgomp spins a worker "
-       "between parallel regions only while it manages no more threads than there are CPUs; with torch's "
-       "pool idle beside the engine thread's, every kernel's workers would sleep and wake instead.");
+    }, "Let the calling thread's idle OpenMP workers (torch's, after loading) exit: libgomp workers left "
+       "spinning after torch's last parallel region would take the cores from the kernels' pool.");
+    m.def("thread_pool_stats", []() {
+        const lmd::cpu::ThreadPoolStats s = lmd::cpu::thread_pool_stats();
+        py::dict d;
+        d["workers"] = s.workers;
+        d["team"] = s.team;
+        d["regions"] = s.regions;
+        d["inline_regions"] = s.inline_regions;
+        d["stalls"] = s.stalls;
+        d["shrinks"] = s.shrinks;
+        return d;
+    }, "The kernels' thread pool (of this module; TurboMind's engine links its own): workers started, the "
+       "team the next region may use, regions run on it and inline, stalls on a preempted worker, team cuts.");
+    m.def("thread_pool_check", [](int threads, int64_t regions, int64_t pieces) {
+        py::gil_scoped_release release;
+        // every piece of every region runs exactly once, on a thread index below `threads`
+        std::vector<std::atomic<int64_t>> runs(pieces);
+        std::atomic<int64_t> bad_thread{0};
+        for (int64_t r = 0; r < regions; ++r) {
+            lmd::cpu::parallel_pieces(threads, pieces, [&](int64_t p, int thread) {
+                runs[p].fetch_add(1, std::memory_order_relaxed);
+                if (thread < 0 || thread >= threads) bad_thread.fetch_add(1, std::memory_order_relaxed);
+            });
+        }
+        int64_t wrong = bad_thread.load();
+        for (int64_t p = 0; p < pieces; ++p) wrong += runs[p].load() != regions;
+        return wrong;
+    }, py::arg("threads"), py::arg("regions"), py::arg("pieces"),
+       "Runs `regions` regions of `pieces` pieces on `threads` threads; returns how many pieces did not run "
+       "exactly once per region or ran on a thread index out of range (0: all well). For the tests.");
     lmd::bind_ops(m);
 }

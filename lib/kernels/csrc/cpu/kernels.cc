@@ -7,10 +7,6 @@
 #include <atomic>
 #include <vector>
 
-#if defined(LMD_WITH_OPENMP)
-#include <omp.h>
-#endif
-
 #include "cpu/cpu_features.h"
 
 namespace lmd::cpu {
@@ -83,33 +79,25 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
     const int64_t tasks = B * num_kv_heads;
     const bool vector = !reference && use_avx2() && q.size(2) % 8 == 0 && q.size(2) <= 256;
     const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
-#if defined(LMD_WITH_OPENMP)
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
-    {
-        std::vector<float> scratch(group * max_len);
-#if defined(LMD_WITH_OPENMP)
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-            TensorView table = block_tables;
-            if (row_seqs) {
-                table.data = block_tables.ptr<int32_t>() + row_seqs[b] * block_tables.stride(0);
-                table.strides[0] = 0;
-            }
-            if (vector && kv_quant) {
-                avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, out, *kv_quant, b,
-                                                  h, scratch.data());
-            } else if (vector) {
-                avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, b, h,
-                                            scratch.data());
-            } else {
-                ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, kv_quant, b, h,
-                                           scratch.data());
-            }
+    std::vector<std::vector<float>> scratch(threads);  // [thread][group * max_len]
+    parallel_pieces(threads, tasks, [&](int64_t task, int thread) {
+        std::vector<float> & s = scratch[thread];
+        if (s.empty()) s.resize(group * max_len);
+        const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+        TensorView table = block_tables;
+        if (row_seqs) {
+            table.data = block_tables.ptr<int32_t>() + row_seqs[b] * block_tables.stride(0);
+            table.strides[0] = 0;
         }
-    }
+        if (vector && kv_quant) {
+            avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, out, *kv_quant, b, h,
+                                              s.data());
+        } else if (vector) {
+            avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, b, h, s.data());
+        } else {
+            ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, kv_quant, b, h, s.data());
+        }
+    });
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // TurboMind's CPU kernels. Each has a scalar reference (kernels_ref.cc), the yardstick of
 // the tests, and an AVX2/FMA/F16C version (kernels_avx2.cc, compiled with those flags and
-// chosen at run time). Threads come from OpenMP: the runtime torch also uses, so the two
-// never oversubscribe the cores; set_num_threads() sets how many a kernel uses.
+// chosen at run time). Threads come from the kernels' own pool (thread_pool.h), which a busy
+// core cannot stall; set_num_threads() sets how many a kernel uses.
 #pragma once
 
 #include "core/tensor.h"

@@ -1,56 +1,53 @@
-// How CPU kernels use threads: fn(thread_index, num_threads) on `threads` OpenMP threads (the
-// libgomp torch loads too, so the two never oversubscribe), inline when one; parallel_ranges
-// shares a range out in pieces on top of it.
+// How CPU kernels use threads: on the kernels' own pool (thread_pool.h), never OpenMP's, so a
+// thread the OS takes away holds only the piece it is in, not the region. Which thread runs a
+// piece is never fixed, and no result may depend on it: a piece is a fixed run of rows or
+// columns, cut from the threads asked for, computed the same wherever it runs.
 #pragma once
 
-#include <atomic>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
-#if defined(LMD_WITH_OPENMP)
-#include <omp.h>
-#endif
+#include "cpu/thread_pool.h"
 
 namespace lmd::cpu {
 
+// fn(piece, thread) for piece in [0, pieces), on up to `threads` threads (thread < threads:
+// an index for per-thread scratch), each thread taking the next piece when done with one.
 template <typename Fn>
-void parallel(int threads, Fn && fn) {
-#if defined(LMD_WITH_OPENMP)
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        fn(omp_get_thread_num(), omp_get_num_threads());
+void parallel_pieces(int threads, int64_t pieces, Fn && fn) {
+    if (threads <= 1 || pieces <= 1) {
+        for (int64_t p = 0; p < pieces; ++p) fn(p, 0);
         return;
     }
-#endif
-    fn(0, 1);
+    using F = std::remove_reference_t<Fn>;
+    run_chunks(threads, pieces, [](void * ctx, int64_t p, int thread) { (*static_cast<F *>(ctx))(p, thread); },
+               const_cast<void *>(static_cast<const void *>(&fn)));
 }
 
-// Pieces per thread for parallel_ranges: enough that a thread the OS takes away for a moment
-// leaves its remaining pieces to the others, few enough that taking one costs nothing.
+// Pieces per thread: enough that a thread the OS takes away for a moment leaves its remaining
+// pieces to the others, few enough that taking one costs nothing.
 constexpr int64_t kChunksPerThread = 4;
 
-// fn(begin, end) over [0, n) cut into pieces of whole units of `align`, each thread taking the
-// next piece when it is done with one. With a fixed share each, a thread preempted by another
-// process (a server's I/O thread waking on the same cores) would hold every other at the end.
+// fn(t, nt) for t in [0, nt): share t of nt equal shares of the work (rows nt-th by nt-th), as a
+// static schedule would cut it, nt = threads * kChunksPerThread, each share taken by whichever
+// thread is free.
+template <typename Fn>
+void parallel(int threads, Fn && fn) {
+    const int nt = threads > 1 ? threads * static_cast<int>(kChunksPerThread) : 1;
+    parallel_pieces(threads, nt, [&](int64_t t, int) { fn(static_cast<int>(t), nt); });
+}
+
+// fn(begin, end) over [0, n) cut into pieces of whole units of `align` (the cut depends on n,
+// align and threads only).
 template <typename Fn>
 void parallel_ranges(int threads, int64_t n, int64_t align, Fn && fn) {
     const int64_t units = (n + align - 1) / align;
     const int64_t chunks = std::min<int64_t>(units, threads > 1 ? threads * kChunksPerThread : 1);
-    auto piece = [&](int64_t c) {
+    parallel_pieces(threads, chunks, [&](int64_t c, int) {
         const int64_t begin = std::min(n, units * c / chunks * align);
         const int64_t end = std::min(n, units * (c + 1) / chunks * align);
         if (begin < end) fn(begin, end);
-    };
-    if (chunks <= 1) {
-        for (int64_t c = 0; c < chunks; ++c) piece(c);
-        return;
-    }
-    std::atomic<int64_t> next{0};
-    parallel(threads, [&](int, int) {
-        for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-             c = next.fetch_add(1, std::memory_order_relaxed)) {
-            piece(c);
-        }
     });
 }
 

@@ -6,10 +6,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(LMD_WITH_OPENMP)
-#include <omp.h>
-#endif
-
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
 
