@@ -319,6 +319,30 @@ const char * finish_name(Finish f) {
     return nullptr;
 }
 
+// Outputs as the Python side reads them: tuples (session_id, token_ids, logprobs, finish_reason,
+// num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error), oldest first.
+py::list output_tuples(std::vector<Output> & outs) {
+    py::list result;
+    for (Output & o : outs) {
+        py::object lps = py::none();
+        if (!o.logprobs.empty()) {
+            py::list per_token;
+            for (auto & alts : o.logprobs) {
+                py::dict d;
+                for (const TokenLogprob & t : alts) d[py::int_(t.token_id)] = t.logprob;
+                per_token.append(d);
+            }
+            lps = per_token;
+        }
+        const char * fin = finish_name(o.finish);
+        result.append(py::make_tuple(o.session_id, py::tuple(py::cast(o.token_ids)), lps,
+                                     fin ? py::object(py::str(fin)) : py::object(py::none()),
+                                     o.num_prompt_tokens, o.num_cached_tokens, o.num_context_tokens,
+                                     o.kept, o.error.empty() ? py::object(py::none()) : py::object(py::str(o.error))));
+    }
+    return result;
+}
+
 }  // namespace
 
 void bind_models(py::module_ & m) {
@@ -397,29 +421,18 @@ void bind_models(py::module_ & m) {
                      py::gil_scoped_release release;
                      outs = self.engine->wait_outputs(timeout_s);
                  }
-                 py::list result;
-                 for (Output & o : outs) {
-                     py::object lps = py::none();
-                     if (!o.logprobs.empty()) {
-                         py::list per_token;
-                         for (auto & alts : o.logprobs) {
-                             py::dict d;
-                             for (const TokenLogprob & t : alts) d[py::int_(t.token_id)] = t.logprob;
-                             per_token.append(d);
-                         }
-                         lps = per_token;
-                     }
-                     const char * fin = finish_name(o.finish);
-                     result.append(py::make_tuple(o.session_id, py::tuple(py::cast(o.token_ids)), lps,
-                                                  fin ? py::object(py::str(fin)) : py::object(py::none()),
-                                                  o.num_prompt_tokens, o.num_cached_tokens, o.num_context_tokens,
-                                                  o.kept, o.error.empty() ? py::object(py::none()) : py::object(py::str(o.error))));
-                 }
-                 return result;
+                 return output_tuples(outs);
              },
              py::arg("timeout_s"),
              "Outputs since the last call, oldest first, as tuples (session_id, token_ids, logprobs, finish_reason, "
              "num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error); waits up to timeout_s for one.")
+        .def("take_outputs", [](PyEngine & self) {
+                 std::vector<Output> outs = self.engine->take_outputs();
+                 return output_tuples(outs);
+             },
+             "wait_outputs without waiting: the outputs so far (maybe none); clears outputs_fd")
+        .def_property_readonly("outputs_fd", [](PyEngine & self) { return self.engine->outputs_fd(); },
+                               "an eventfd, readable once outputs wait (loop.add_reader); take_outputs clears it")
         .def("stats", [](PyEngine & self) {
                  EngineStats s = self.engine->stats();
                  py::dict d;

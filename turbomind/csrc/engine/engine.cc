@@ -55,6 +55,14 @@ std::vector<Output> Engine::wait_outputs(double timeout_s) {
     return out;
 }
 
+std::vector<Output> Engine::take_outputs() {
+    outputs_ready_.clear();  // before the outbox: a step landing in between signals again
+    std::vector<Output> out;
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.swap(outbox_);
+    return out;
+}
+
 EngineStats Engine::stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_;
@@ -129,6 +137,7 @@ void Engine::abort_all() {
     late.swap(inbox_);
     stopped_ = true;
     outbox_cv_.notify_all();
+    outputs_ready_.notify();
 }
 
 void Engine::handle(Message & m) {
@@ -344,6 +353,7 @@ void Engine::update_stats() {
         for (Output & o : pending_) outbox_.push_back(std::move(o));
         pending_.clear();
         outbox_cv_.notify_all();
+        outputs_ready_.notify();
     }
     stats_.num_running = static_cast<int64_t>(scheduler_.running().size());
     stats_.num_waiting = static_cast<int64_t>(scheduler_.waiting().size());

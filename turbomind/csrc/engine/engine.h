@@ -26,6 +26,7 @@
 
 #include "engine/batch.h"
 #include "engine/block_manager.h"
+#include "engine/notifier.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "models/llama.h"
@@ -109,6 +110,10 @@ public:
     void end(int64_t session_id);
     // Outputs in the order they were made; waits up to timeout_s for at least one. Empty after close.
     std::vector<Output> wait_outputs(double timeout_s);
+    // Without waiting: the outputs so far (empty if none). outputs_fd() turns readable when there
+    // are some (engine/notifier.h); an event loop watches it instead of a thread in wait_outputs.
+    std::vector<Output> take_outputs();
+    int outputs_fd() const { return outputs_ready_.fd(); }
     EngineStats stats() const;
     // Pending requests finish with abort; the thread stops. Idempotent.
     void close();
@@ -171,6 +176,7 @@ private:
     // shared with callers
     mutable std::mutex mutex_;
     std::condition_variable inbox_cv_, outbox_cv_;
+    Notifier outputs_ready_;  // signalled with outbox_cv_
     std::vector<Message> inbox_;
     std::vector<Output> outbox_;
     bool closing_ = false, stopped_ = false;
