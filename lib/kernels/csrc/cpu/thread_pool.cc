@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <new>
+#include <system_error>
 #include <thread>
 
 namespace lmd::cpu {
@@ -76,6 +77,7 @@ public:
             return;
         }
         start_workers(threads - 1);
+        threads = std::min(threads, workers_ + 1);
         const Clock::time_point start = Clock::now();
         const int team = team_for(threads, start);
         if (team <= 1) {
@@ -121,8 +123,12 @@ public:
 private:
     // ---- the caller's side (only the thread holding busy_) ----
 
+    // Up to n workers; where the OS will not start another, the team makes do with those it has.
     void start_workers(int n) {
-        for (; workers_ < n; ++workers_) std::thread([this, i = workers_ + 1] { worker(i); }).detach();
+        try {
+            for (; workers_ < n; ++workers_) std::thread([this, i = workers_ + 1] { worker(i); }).detach();
+        } catch (const std::system_error &) {
+        }
         num_workers_.store(workers_, std::memory_order_relaxed);
     }
 

@@ -17,7 +17,8 @@
 
 namespace lmd::cpu {
 
-// fn(ctx, chunk, thread): run piece `chunk` on thread `thread` (0: the caller; < threads).
+// fn(ctx, chunk, thread): run piece `chunk` on thread `thread` (0: the caller; < threads). It
+// must not throw: the other threads may still be running pieces on the caller's data.
 using ChunkFn = void (*)(void * ctx, int64_t chunk, int thread);
 
 // Runs fn over chunks [0, chunks) on up to `threads` threads (the caller included) and returns
