@@ -3,7 +3,7 @@
 It owns everything about text, once: chat templates, tokenization,
 incremental detokenization, stop strings, ``n`` and interactive sessions.
 Engines below it see token ids only (``lmd.engine.Engine``); their outputs come
-back on the engine thread and are handed to the caller's event loop.
+back on the caller's event loop, each step's in one wake (``Engine.add_request``'s ``loop``).
 """
 from __future__ import annotations
 
@@ -170,13 +170,9 @@ class AsyncEngine:
                                 sequence_start=sequence_start, sequence_end=sequence_end,
                                 constraint=constraint_for(self, gen.response_format))  # a fresh one per sample
 
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
-
-        def on_output(out: EngineOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
-        self.engine.add_request(request, on_output)  # raises ValueError on bad input
+        # the engine runs the callback on this loop's thread, a step's outputs in one wake
+        self.engine.add_request(request, queue.put_nowait, loop=asyncio.get_running_loop())  # ValueError: bad input
         stops = StopStringMatcher(gen.stop_words, gen.include_stop_str_in_output)
         state = DetokenizeState()
         token_ids: list[int] = []

@@ -8,8 +8,13 @@ Threading contract: an engine runs its batching loop in its own thread.
 ``add_request``, ``abort`` and ``end`` may be called from any thread and never
 block on a model step. ``add_request`` validates the request at once and raises
 ``ValueError`` with a clear message; a request it accepted always ends with
-exactly one ``EngineOutput`` whose ``finish_reason`` is set. Callbacks run on the
-engine thread and must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+exactly one ``EngineOutput`` whose ``finish_reason`` is set. A callback runs on an
+engine thread and must only hand the output over (e.g. ``loop.call_soon_threadsafe``),
+unless the request was added with a ``loop``: then it runs on that event loop's thread, and
+each step's outputs reach the loop with one thread wake, not one per output or two (the
+engine hands them over together, ``deliver``): on two cores a second woken thread takes a
+core from the kernels' thread team every step. A request's outputs keep their order either
+way.
 
 Structured output: a request may carry a ``constraint`` (``lmd.guided.TokenConstraint``, made
 fresh for that request). Each step the engine asks it for the tokens allowed next
@@ -31,6 +36,8 @@ float64, by ``token_nll``, so both engines' perplexities come from the same arit
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from abc import ABC, abstractmethod
 import operator
@@ -119,6 +126,41 @@ class EngineOutput:
 
 OutputCallback = Callable[[EngineOutput], None]
 
+logger = logging.getLogger('lmd')
+
+
+def deliver(outputs: Sequence[tuple[OutputCallback, asyncio.AbstractEventLoop | None, EngineOutput]],
+            here: asyncio.AbstractEventLoop | None = None) -> None:
+    """Hand one step's outputs to their callbacks, in order: a callback without a loop is called
+    here and now; those with a loop in one handoff per loop, through its ready queue (``call_soon``
+    when ``here`` is that loop, so this thread is its thread; else ``call_soon_threadsafe``, which
+    wakes it). Through the queue, never called directly, so that a request's outputs stay in order
+    whichever thread hands them over, as long as the handoffs themselves come in order.
+    A loop already closed has no one left to read its outputs: they are dropped."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    for callback, loop, out in outputs:
+        if loop is None:
+            _call(callback, out)
+        else:
+            batches.setdefault(loop, []).append((callback, out))
+    for loop, batch in batches.items():
+        try:
+            (loop.call_soon if loop is here else loop.call_soon_threadsafe)(_call_all, batch)
+        except RuntimeError:  # closed
+            logger.debug('dropped %d outputs for a closed event loop', len(batch))
+
+
+def _call(callback: OutputCallback, out: EngineOutput) -> None:
+    try:
+        callback(out)
+    except Exception:
+        logger.exception('the output callback of session %d raised', out.session_id)
+
+
+def _call_all(batch: list[tuple[OutputCallback, EngineOutput]]) -> None:
+    for callback, out in batch:
+        _call(callback, out)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -155,8 +197,11 @@ class Engine(ABC):
     model_info: ModelInfo
 
     @abstractmethod
-    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
-        """Queue a request; raise ``ValueError`` at once if it cannot be served."""
+    def add_request(self, request: EngineRequest, callback: OutputCallback,
+                    loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Queue a request; raise ``ValueError`` at once if it cannot be served. ``loop``: a running
+        event loop whose thread the callback runs on (see the module docstring); None: an engine
+        thread's."""
 
     @abstractmethod
     def abort(self, session_id: int) -> None:

@@ -2,13 +2,16 @@
 
 Callers (any thread) put messages into an inbox; the engine thread drains it,
 schedules a step, runs it, samples, and hands each request its new tokens
-through the request's callback. Sequences, the scheduler, the block manager and
+through the request's callback: on the engine thread, or for a request added with an
+event loop, the step's outputs for that loop in one ``call_soon_threadsafe``
+(``lmd.engine.deliver``). Sequences, the scheduler, the block manager and
 the KV cache are touched by the engine thread only; the one piece of state
 shared with callers (which sessions are active or kept, for validating a new
 request at once) sits behind ``_lock``.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
-                        SamplingParams, scored_token_ids)
+                        SamplingParams, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
@@ -41,6 +44,7 @@ _GIB = 1 << 30
 class _Add:
     request: EngineRequest
     callback: OutputCallback
+    loop: asyncio.AbstractEventLoop | None = None  # where the callback runs (None: the engine thread)
     # test hook: teacher forcing (see ``teacher_forced_logits``)
     forced_token_ids: tuple[int, ...] | None = None
     logits_sink: list | None = None
@@ -132,7 +136,8 @@ class PytorchEngine(Engine):
         self._seqs: dict[int, Sequence] = {}   # every active or kept session
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
-        self._outbox: list[tuple[OutputCallback, EngineOutput]] = []  # sent after each iteration's bookkeeping
+        # sent after each iteration's bookkeeping: (callback, its loop or None, output)
+        self._outbox: list[tuple[OutputCallback, asyncio.AbstractEventLoop | None, EngineOutput]] = []
         # shared with callers, behind _lock
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -151,8 +156,9 @@ class PytorchEngine(Engine):
 
     # ---- the Engine interface (any thread) -------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
-        self._submit(request, callback)
+    def add_request(self, request: EngineRequest, callback: OutputCallback,
+                    loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._submit(request, callback, loop=loop)
 
     def abort(self, session_id: int) -> None:
         self._post(_Abort(session_id, end=False))
@@ -311,7 +317,7 @@ class PytorchEngine(Engine):
             if seq is not None:  # a new session under a kept one's id replaces it
                 self.scheduler.finish(seq)
             if not request.sequence_start:  # ended between validation and now
-                self._emit_final_orphan(request, message.callback, 'error', f'session {sid} was ended')
+                self._emit_final_orphan(message, 'error', f'session {sid} was ended')
                 return
             seq = Sequence(sid, list(request.token_ids), request.sampling, None, message.callback,
                            request.sequence_end)
@@ -320,6 +326,7 @@ class PytorchEngine(Engine):
         else:
             seq.start_turn(request.token_ids, request.sampling, None, message.callback, request.sequence_end)
             self.scheduler.resume(seq)
+        seq.loop = message.loop
         seq.sampling_state = SamplingState(request.sampling, tuple(seq.token_ids), request.constraint)
         seq.forced_token_ids = list(message.forced_token_ids) if message.forced_token_ids is not None else None
         seq.logits_sink = message.logits_sink
@@ -402,20 +409,17 @@ class PytorchEngine(Engine):
         seq.callback = None
 
     def _emit(self, seq: Sequence, out: EngineOutput) -> None:
-        self._outbox.append((seq.callback, out))
+        self._outbox.append((seq.callback, seq.loop, out))
 
-    def _emit_final_orphan(self, request: EngineRequest, callback, reason, error=None) -> None:
-        self._sessions.withdraw(request.session_id)
-        self._outbox.append((callback, EngineOutput(session_id=request.session_id, finish_reason=reason,
-                                                    error=error)))
+    def _emit_final_orphan(self, message: _Add, reason, error=None) -> None:
+        sid = message.request.session_id
+        self._sessions.withdraw(sid)
+        self._outbox.append((message.callback, message.loop,
+                             EngineOutput(session_id=sid, finish_reason=reason, error=error)))
 
     def _flush_outbox(self) -> None:
         outbox, self._outbox = self._outbox, []
-        for callback, out in outbox:
-            try:
-                callback(out)
-            except Exception:
-                logger.exception('engine: the callback of session %d raised', out.session_id)
+        deliver(outbox)
 
     def _fail_all(self, error: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -431,7 +435,7 @@ class PytorchEngine(Engine):
             inbox, self._inbox = self._inbox, []
         for message in inbox:  # arrived with close(): never started
             if isinstance(message, _Add):
-                self._emit_final_orphan(message.request, message.callback, 'abort')
+                self._emit_final_orphan(message, 'abort')
             elif isinstance(message, _Call):
                 message.future.set_exception(RuntimeError('the engine is closed'))
         self._update_stats()

@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     __slots__ = ('session_id', 'token_ids', 'num_prompt_tokens', 'num_computed_tokens', 'num_cached_tokens',
                  'block_ids', 'block_hashes', 'status', 'sampling', 'sampling_state', 'callback',
-                 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids')
+                 'loop', 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids')
 
     def __init__(self, session_id: int, token_ids: list[int], sampling: 'SamplingParams',
                  sampling_state, callback: Callable[['EngineOutput'], None] | None, sequence_end: bool = True):
@@ -44,6 +44,7 @@ class Sequence:
         self.sampling = sampling
         self.sampling_state = sampling_state
         self.callback = callback
+        self.loop = None  # the event loop the callback runs on (None: the engine thread)
         self.sequence_end = sequence_end
         # set by the scheduler when this turn is first admitted (num_cached_tokens is measured then)
         self.is_admitted = False

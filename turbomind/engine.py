@@ -4,22 +4,27 @@ The C++ side owns everything per step: the request queue, the batching thread, t
 block manager with its prefix cache, the model and its KV cache, and sampling. A request's
 structured-output constraint (``lmd.guided``) goes in with it; the engine thread takes the GIL
 once a step to ask all constrained rows for their bitmasks, and once to hand them their tokens.
-This wrapper checks requests before they go in (one clear ``ValueError`` each), and
-runs one Python thread that collects the engine's outputs (waiting without the GIL)
-and hands each to its request's callback, in order.
+This wrapper checks requests before they go in (one clear ``ValueError`` each) and hands each
+output to its request's callback, in order. The C++ engine signals an eventfd once a step that
+made outputs (``outputs_fd``): a request added with an event loop has that loop watch it
+(``loop.add_reader``), so the step's outputs reach the loop with one thread wake and no thread
+in between. Requests without a loop are served by a reader thread that waits on the same fd
+(without the GIL); it runs only while such requests are in flight, or while no loop watches.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
+import select
 import threading
 import weakref
 
 import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
-                        SessionTable, scored_token_ids)
+                        SessionTable, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
@@ -95,32 +100,46 @@ class TurbomindEngine(Engine):
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
                                     model_format=self.model_format)
         self._sessions = SessionTable(mc.vocab_size, session_len)
-        self._callbacks: dict[int, OutputCallback] = {}
         self._lock = threading.Lock()
+        self._callbacks: dict[int, tuple[OutputCallback, asyncio.AbstractEventLoop | None]] = {}  # behind _lock
+        self._num_threaded = 0  # requests in flight without a loop: the reader thread serves them
+        self._reader: threading.Thread | None = None
+        self._wake_reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # to look again: closed, or not needed
+        self._watcher: asyncio.AbstractEventLoop | None = None  # the loop watching outputs_fd
+        # one taker of outputs at a time, handing them over before the next takes: keeps them in order
+        self._take_lock = threading.RLock()
         self._closed = False
-        self._reader = threading.Thread(target=self._read_outputs, name='lmd-turbomind-outputs', daemon=True)
-        self._reader.start()
         # An engine still open at interpreter exit is closed before teardown: its output thread,
-        # blocked in wait_outputs without the GIL, would otherwise wake into a finalizing interpreter.
+        # waiting without the GIL, would otherwise wake into a finalizing interpreter.
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
     # ---- the Engine interface (any thread) ------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
+    def add_request(self, request: EngineRequest, callback: OutputCallback,
+                    loop: asyncio.AbstractEventLoop | None = None) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError('the engine is closed')
         self._sessions.admit(request, callback)
         sp = request.sampling
         with self._lock:
-            self._callbacks[request.session_id] = callback
+            self._callbacks[request.session_id] = (callback, loop)
+            if loop is None:
+                self._num_threaded += 1
+                if self._reader is None:
+                    self._reader = threading.Thread(target=self._read_outputs, name='lmd-turbomind-outputs',
+                                                    daemon=True)
+                    self._reader.start()
+        if loop is not None and loop is not self._watcher:
+            self._watch(loop)
         try:
             self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, _sampling_dict(sp),
                          request.sequence_start, request.sequence_end, request.constraint)
         except BaseException:
             with self._lock:
                 self._callbacks.pop(request.session_id, None)
+                self._num_threaded -= loop is None
             self._sessions.withdraw(request.session_id)
             raise
 
@@ -135,17 +154,27 @@ class TurbomindEngine(Engine):
         return EngineStats(**self.cpp.stats())
 
     def is_alive(self) -> bool:
-        # the C++ engine thread runs until close(); its outputs reach callers through the reader
-        return not self.cpp.closed and self._reader.is_alive()
+        # the C++ engine thread runs until close(); a reader thread ends only when not needed
+        reader = self._reader
+        return not self.cpp.closed and (reader is None or reader.is_alive())
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            reader = self._reader
         self.cpp.close()
-        if threading.current_thread() is not self._reader:
-            self._reader.join()
+        os.eventfd_write(self._wake_reader, 1)  # a loop may have taken the last outputs before it looked
+        if reader is None or threading.current_thread() is not reader:
+            if reader is not None:
+                reader.join()
+            os.close(self._wake_reader)  # no reader left to wait on it
+        with self._take_lock:  # the last outputs (aborts), for the loops' requests
+            self._hand_over(self.cpp.take_outputs(), _running_loop())
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            self._unwatch(watcher)
 
     def get_logits(self, token_ids) -> torch.Tensor:
         """The Engine interface's scoring call: one forward on the calling thread, beside the engine's,
@@ -165,27 +194,71 @@ class TurbomindEngine(Engine):
     def __exit__(self, *exc):
         self.close()
 
-    # ---- the output thread ----------------------------------------------------------------------------
+    # ---- outputs: taken by the loop watching outputs_fd, or the reader thread --------------------------
+
+    def _hand_over(self, batch: list, here: asyncio.AbstractEventLoop | None) -> None:
+        """One take of outputs (``cpp.take_outputs``) to their callbacks; under ``_take_lock``."""
+        outputs = []
+        for sid, token_ids, logprobs, finish, n_prompt, n_cached, n_context, kept, error in batch:
+            if finish is not None:  # before the callback: its caller may send the next turn at once
+                self._sessions.finished(sid, n_context if kept else None)
+                with self._lock:
+                    callback, loop = self._callbacks.pop(sid, (None, None))
+                    self._num_threaded -= callback is not None and loop is None
+            else:
+                with self._lock:
+                    callback, loop = self._callbacks.get(sid, (None, None))
+            if callback is None:
+                continue
+            outputs.append((callback, loop, EngineOutput(
+                session_id=sid, token_ids=token_ids, logprobs=None if logprobs is None else tuple(logprobs),
+                finish_reason=finish, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached, error=error)))
+        deliver(outputs, here)
+
+    def _take(self, here: asyncio.AbstractEventLoop | None = None) -> None:
+        with self._take_lock:
+            self._hand_over(self.cpp.take_outputs(), here)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make ``loop`` the one watching outputs_fd (add_reader on its own thread, or while it is not running)."""
+        if _running_loop() is not loop and loop.is_running():
+            loop.call_soon_threadsafe(self._watch, loop)
+            return
+        with self._lock:
+            if self._closed or self._watcher is loop:
+                return
+            old, self._watcher = self._watcher, loop
+            os.eventfd_write(self._wake_reader, 1)  # a reader serving no request leaves now (close() shuts the fd)
+        loop.add_reader(self.cpp.outputs_fd, self._take, loop)  # outputs made meanwhile keep the fd readable
+        if old is not None:
+            self._unwatch(old)
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop.is_closed():
+            return
+        if _running_loop() is not loop and loop.is_running():
+            loop.call_soon_threadsafe(self._unwatch, loop)
+        elif self._watcher is not loop:  # it may have been chosen again since
+            loop.remove_reader(self.cpp.outputs_fd)
 
     def _read_outputs(self) -> None:
+        """The reader thread: serves requests without a loop, and every request while no loop
+        watches; ends when neither is left (add_request starts another when needed)."""
+        fds = [self.cpp.outputs_fd, self._wake_reader]
         while True:
-            batch = self.cpp.wait_outputs(0.5)
-            for sid, token_ids, logprobs, finish, n_prompt, n_cached, n_context, kept, error in batch:
-                if finish is not None:  # before the callback: its caller may send the next turn at once
-                    self._sessions.finished(sid, n_context if kept else None)
-                    with self._lock:
-                        callback = self._callbacks.pop(sid, None)
-                else:
-                    with self._lock:
-                        callback = self._callbacks.get(sid)
-                if callback is None:
-                    continue
-                out = EngineOutput(session_id=sid, token_ids=token_ids,
-                                   logprobs=None if logprobs is None else tuple(logprobs), finish_reason=finish,
-                                   num_prompt_tokens=n_prompt, num_cached_tokens=n_cached, error=error)
-                try:
-                    callback(out)
-                except Exception:
-                    logger.exception('turbomind: the callback of session %d raised', sid)
-            if not batch and self.cpp.closed:
-                return
+            ready, _, _ = select.select(fds, [], [], 0.5)  # the GIL is let go while it waits
+            if self._wake_reader in ready:
+                os.eventfd_read(self._wake_reader)
+            closed = self.cpp.closed  # before the take: a closed engine's last outputs are in it
+            self._take()
+            with self._lock:
+                if closed or (self._num_threaded == 0 and self._watcher is not None):
+                    self._reader = None
+                    return
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
