@@ -43,14 +43,6 @@ logger = logging.getLogger('lmd.turbomind')
 MAX_CPU_CACHE_BYTES = 4 << 30
 
 
-def _sampling_dict(sp: SamplingParams) -> dict:
-    return dict(min_new_tokens=sp.min_new_tokens, greedy=sp.greedy, temperature=sp.temperature, top_p=sp.top_p,
-                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-                random_seed=sp.random_seed, stop_token_ids=list(sp.stop_token_ids),
-                bad_token_ids=list(sp.bad_token_ids), logprobs=-1 if sp.logprobs is None else sp.logprobs)
-
-
 class TurbomindEngine(Engine):
     """``model_dir``: an HF directory (float, AWQ or W8A8 checkpoint, GGUF conversion) or one in
     TurboMind's own layout; ``config.model_format`` None reads each as it is
@@ -134,7 +126,7 @@ class TurbomindEngine(Engine):
         if loop is not None and loop is not self._watcher:
             self._watch(loop)
         try:
-            self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, _sampling_dict(sp),
+            self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, sp,
                          request.sequence_start, request.sequence_end, request.constraint)
         except BaseException:
             with self._lock:

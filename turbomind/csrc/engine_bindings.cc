@@ -454,6 +454,11 @@ void bind_scheduler(py::module_ & m) {
 
 }  // namespace
 
+// The one reader of sampling settings from Python: lmd.engine.SamplingParams, the frozen object
+// the engines receive (or a dict with its field names, in tests). Engine.add and the sampler's
+// bindings both use it, so a setting is checked the same way on every path.
+SamplingParams sampling_params_from_python(py::handle obj) { return params_of(obj); }
+
 void bind_engine_parts(py::module_ & m) {
     py::module_ sub = m.def_submodule("engine_parts", "The C++ engine's block manager, scheduler and sampler, bound for tests");
     bind_block_manager(sub);

@@ -14,6 +14,8 @@
 
 namespace turbomind {
 
+SamplingParams sampling_params_from_python(py::handle obj);  // engine_bindings.cc
+
 namespace {
 
 DType parse_dtype(const std::string & s) {
@@ -280,34 +282,6 @@ struct PyEngine {
     }
 };
 
-template <typename T>
-T get_or(const py::dict & d, const char * key, T fallback) {
-    return d.contains(key) && !d[key].is_none() ? d[key].cast<T>() : fallback;
-}
-
-SamplingParams sampling_from_dict(const py::dict & d) {
-    SamplingParams p;
-    p.min_new_tokens = get_or<int32_t>(d, "min_new_tokens", 0);
-    p.greedy = get_or<bool>(d, "greedy", true);
-    p.temperature = get_or<float>(d, "temperature", 1.0f);
-    p.top_p = get_or<float>(d, "top_p", 1.0f);
-    p.top_k = get_or<int32_t>(d, "top_k", 0);
-    p.min_p = get_or<float>(d, "min_p", 0.0f);
-    p.repetition_penalty = get_or<float>(d, "repetition_penalty", 1.0f);
-    p.presence_penalty = get_or<float>(d, "presence_penalty", 0.0f);
-    p.frequency_penalty = get_or<float>(d, "frequency_penalty", 0.0f);
-    if (d.contains("random_seed") && !d["random_seed"].is_none()) {
-        p.has_seed = true;
-        p.random_seed = d["random_seed"].cast<uint64_t>();
-    }
-    p.stop_token_ids = get_or<std::vector<int32_t>>(d, "stop_token_ids", {});
-    p.bad_token_ids = get_or<std::vector<int32_t>>(d, "bad_token_ids", {});
-    p.logprobs = get_or<int32_t>(d, "logprobs", -1);
-    const std::string problem = sampling_params_check(p);
-    if (!problem.empty()) fail("sampling " + problem);
-    return p;
-}
-
 const char * finish_name(Finish f) {
     switch (f) {
         case Finish::stop: return "stop";
@@ -387,7 +361,7 @@ void bind_models(py::module_ & m) {
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
              py::arg("enable_prefix_caching"), py::arg("sampler_seed"))
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
-                       const py::dict & sampling, bool sequence_start, bool sequence_end, py::object constraint) {
+                       py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint) {
                  Request r;
                  if (!constraint.is_none()) {
                      const int64_t vocab = self.model.cast<PyLlamaModel &>().model->config().vocab_size;
@@ -405,7 +379,7 @@ void bind_models(py::module_ & m) {
                  r.session_id = session_id;
                  r.token_ids = std::move(token_ids);
                  r.max_new_tokens = max_new_tokens;
-                 r.sampling = sampling_from_dict(sampling);
+                 r.sampling = sampling_params_from_python(sampling);
                  r.sequence_start = sequence_start;
                  r.sequence_end = sequence_end;
                  self.engine->add(std::move(r));
