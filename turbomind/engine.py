@@ -58,6 +58,7 @@ class TurbomindEngine(Engine):
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         kernels.ops.set_num_threads(torch.get_num_threads())
+        _turbomind.set_num_threads(torch.get_num_threads())  # its own copy of the kernels
         self.config = cfg
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(cfg.dtype, mc)

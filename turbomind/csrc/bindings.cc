@@ -2,6 +2,8 @@
 // kernel library (lmd_kernels, linked in statically); their Python face is lmd.kernels.
 #include <pybind11/pybind11.h>
 
+#include "cpu/kernels.h"
+
 namespace py = pybind11;
 
 namespace turbomind {
@@ -19,6 +21,10 @@ PYBIND11_MODULE(_turbomind, m) {
 #endif
     // HostTensor, the kernels' weight handle that LlamaModel takes, is registered by lmd.kernels
     py::module_::import("lmd.kernels");
+    // The kernels linked here keep their own thread count (and pool), apart from lmd.kernels'
+    m.def("set_num_threads", &lmd::cpu::set_num_threads, py::arg("n"),
+          "Threads the engine's kernels may use (TurbomindEngineConfig.num_threads)");
+    m.def("num_threads", &lmd::cpu::num_threads);
     turbomind::bind_engine_parts(m);
     turbomind::bind_models(m);
 }
