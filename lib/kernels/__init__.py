@@ -5,18 +5,26 @@ AVX2/FMA/F16C where the CPU has them, a scalar reference everywhere); TurboMind 
 kernels into its engine, and the PyTorch engine, ``lite`` and the tests call them through here.
 See README.md in this folder for the layout.
 """
+import importlib
+import importlib.util
 import os
+import sys
 
-if os.environ.get('LMD_KERNELS_EXT'):  # another build of the extension, e.g. tools/sanitize.sh's
-    import importlib.util
-    import sys
-    _spec = importlib.util.spec_from_file_location(f'{__name__}._kernels', os.environ['LMD_KERNELS_EXT'])
-    _kernels = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _kernels
-    _spec.loader.exec_module(_kernels)
-else:
-    from . import _kernels
 
+def load_extension(package: str, name: str, env_var: str):
+    """``package``'s compiled module ``name``, or the build the environment variable ``env_var``
+    names instead (tools/sanitize.sh's ASan build). TurboMind loads its extension through this too."""
+    path = os.environ.get(env_var)
+    if not path:
+        return importlib.import_module(f'{package}.{name}')
+    spec = importlib.util.spec_from_file_location(f'{package}.{name}', path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_kernels = load_extension(__name__, '_kernels', 'LMD_KERNELS_EXT')
 ops = _kernels.ops
 __version__ = _kernels.__version__
 with_cuda: bool = _kernels.with_cuda
