@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import weakref
 from typing import TYPE_CHECKING, Iterator
 
 from .async_engine import AsyncEngine, Session
@@ -42,6 +43,10 @@ class Pipeline:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name='lmd-pipeline-loop', daemon=True)
         self._thread.start()
+        # close() when the pipeline is dropped or, still open, at interpreter exit: the loop thread
+        # then ends and lets go of the engine while the interpreter still runs (a daemon thread
+        # freeing the model's tensors during teardown is killed inside C++ frames, and aborts)
+        self._finalizer = weakref.finalize(self, _shut_down, async_engine, self._loop, self._thread)
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -164,15 +169,23 @@ class Pipeline:
         self.async_engine.end_session(session)
 
     def close(self) -> None:
-        self.async_engine.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._finalizer()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shut_down(async_engine: AsyncEngine, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Close the engine, stop the loop and wait for its thread (``Pipeline.close``; once)."""
+    async_engine.close()
+    loop.call_soon_threadsafe(loop.stop)
+    if thread is not threading.current_thread():
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
 
 
 def pipeline(model_path: str | None = None,

@@ -1,5 +1,7 @@
 """pipeline() and AsyncEngine end to end on the real SmolLM2 with the PyTorch engine."""
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +133,26 @@ def test_bad_input_then_still_serves(pipe):
     with pytest.raises(ValueError):
         pipe([{'role': 'wizard', 'content': 'hi'}])
     assert pipe('Who wrote Hamlet?', GenerationConfig(max_new_tokens=8)).text
+
+
+# A pipeline used once and dropped, as the README's first command does, and one still open at
+# exit: the process ends with status 0. Its loop thread used to be killed by the finalizing
+# interpreter while it freed the engine's tensors, in C++ frames, which aborted (about one run in
+# two); each backend runs twice to catch that.
+EXIT_SCRIPT = """
+import sys
+from lmd import GenerationConfig, pipeline
+gen = GenerationConfig(max_new_tokens=4)
+print(pipeline(backend=sys.argv[1])('Hi', gen).text)
+kept = pipeline(backend=sys.argv[1])
+print(kept('Hi', gen).text)
+"""
+
+
+@pytest.mark.parametrize('backend', ['turbomind', 'pytorch'])
+def test_process_exits_cleanly_after_pipeline(backend):
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, '-c', EXIT_SCRIPT, backend], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert 'terminate called' not in proc.stderr
