@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # lmd on an NVIDIA GPU, in one prepared run (the GPU machines here are lent for minutes):
 #   1. what the machine is (GPU, driver, nvcc, torch, triton),
-#   2. lmd built and installed there (editable, no network: --no-deps --no-build-isolation),
-#   3. tests/test_gpu.py: the PyTorch engine's Triton kernels compiled for the GPU against the torch
+#   2. lmd built and installed there with its CUDA half for sm_90/sm_90a (editable, no network:
+#      --no-deps --no-build-isolation),
+#   3. tests/test_cuda_*.py: the kernel library's CUDA kernels against their CPU references;
+#      tests/test_gpu.py: the PyTorch engine's Triton kernels compiled for the GPU against the torch
 #      kernels on the CPU, tiny models of every architecture against HF transformers float32, the
 #      engine end to end (greedy = HF, batch = alone, prefix hit = miss),
 #   4. benchmark/gpu_decode.py: decode tok/s of the PyTorch engine beside transformers on the GPU.
@@ -35,11 +37,13 @@ step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
 print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
       torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
 
-if step build 200 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . ; then
-    step import 30 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features())'
-    step tests 200 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
+if step build 200 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
+        -C cmake.define.LMD_WITH_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 ; then
+    step import 30 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features());
+print("cuda kernels:", lmd.kernels.cuda and lmd.kernels.cuda.compiled_archs(), lmd.kernels.cuda and lmd.kernels.cuda.device_count())'
+    step tests 200 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_cuda_*.py tests/test_gpu.py
     preset=llama-1b; [ -n "${GPU_CHECK_QUICK:-}" ] && preset=tiny
-    step bench 120 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
+    step bench 90 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
         > $OUT/bench.json"
 fi
 

@@ -3,6 +3,7 @@
 ``ops`` holds the CPU kernels on DLPack tensors (``lib/kernels/csrc/cpu``, chosen at run time:
 AVX2/FMA/F16C where the CPU has them, a scalar reference everywhere); TurboMind links the same
 kernels into its engine, and the PyTorch engine, ``lite`` and the tests call them through here.
+``cuda`` holds the GPU kernels (``csrc/cuda``) when lmd was built with them, else None.
 See README.md in this folder for the layout.
 """
 import importlib
@@ -28,6 +29,9 @@ _kernels = load_extension(__name__, '_kernels', 'LMD_KERNELS_EXT')
 ops = _kernels.ops
 __version__ = _kernels.__version__
 with_cuda: bool = _kernels.with_cuda
+# The CUDA kernels (csrc/cuda) on DLPack views of device tensors; None in a build without them
+# (pip install . -C cmake.define.LMD_WITH_CUDA=ON builds them; see README.md here).
+cuda = getattr(_kernels, 'cuda', None)
 with_openmp: bool = _kernels.with_openmp
 
 

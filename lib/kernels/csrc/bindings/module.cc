@@ -17,10 +17,14 @@ namespace py = pybind11;
 
 namespace lmd {
 void bind_ops(py::module_ & m);
+#if defined(LMD_WITH_CUDA)
+void bind_cuda(py::module_ & m);  // bindings/cuda.cc
+#endif
 }
 
 PYBIND11_MODULE(_kernels, m) {
-    m.doc() = "lmd's kernel library: CPU kernels (AVX2 with scalar references), shared by both engines";
+    m.doc() = "lmd's kernel library: CPU kernels (AVX2 with scalar references) and, built with CUDA, the `cuda` "
+              "kernels; shared by both engines";
     m.attr("__version__") = LMD_VERSION;
 #if defined(LMD_WITH_CUDA)
     m.attr("with_cuda") = true;
@@ -82,4 +86,7 @@ PYBIND11_MODULE(_kernels, m) {
        "Runs `regions` regions of `pieces` pieces on `threads` threads; returns how many pieces did not run "
        "exactly once per region or ran on a thread index out of range (0: all well). For the tests.");
     lmd::bind_ops(m);
+#if defined(LMD_WITH_CUDA)
+    lmd::bind_cuda(m);
+#endif
 }

@@ -27,15 +27,14 @@ DType dtype_of(const DLDataType & t, const char * name) {
          std::to_string(t.bits) + " bits)");
 }
 
-}  // namespace
-
-TensorView view_of_capsule(py::handle h, const char * name) {
+const DLTensor & dl_tensor_of(py::handle h, const char * name) {
     if (!PyCapsule_CheckExact(h.ptr()) || !PyCapsule_IsValid(h.ptr(), "dltensor")) {
         fail(std::string(name) + ": expected a DLPack capsule (torch.utils.dlpack.to_dlpack(t)) or a HostTensor");
     }
-    auto * managed = static_cast<DLManagedTensor *>(PyCapsule_GetPointer(h.ptr(), "dltensor"));
-    const DLTensor & t = managed->dl_tensor;
-    if (t.device.device_type != kDLCPU) fail(std::string(name) + ": tensor is not on the CPU");
+    return static_cast<DLManagedTensor *>(PyCapsule_GetPointer(h.ptr(), "dltensor"))->dl_tensor;
+}
+
+TensorView view_of_dl(const DLTensor & t, const char * name) {
     if (t.ndim > kMaxDims) fail(std::string(name) + ": too many dimensions");
     TensorView v;
     v.dtype = dtype_of(t.dtype, name);
@@ -47,6 +46,23 @@ TensorView view_of_capsule(py::handle h, const char * name) {
         v.strides[i] = t.strides ? t.strides[i] : stride;
         stride *= t.shape[i];
     }
+    return v;
+}
+
+}  // namespace
+
+TensorView view_of_capsule(py::handle h, const char * name) {
+    const DLTensor & t = dl_tensor_of(h, name);
+    if (t.device.device_type != kDLCPU) fail(std::string(name) + ": tensor is not on the CPU");
+    return view_of_dl(t, name);
+}
+
+TensorView view_of_cuda(py::handle h, const char * name) {
+    const DLTensor & t = dl_tensor_of(h, name);
+    if (t.device.device_type != kDLCUDA) fail(std::string(name) + ": tensor is not on a CUDA device");
+    TensorView v = view_of_dl(t, name);
+    v.device = Device::cuda;
+    v.device_id = t.device.device_id;
     return v;
 }
 

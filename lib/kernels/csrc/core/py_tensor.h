@@ -21,8 +21,10 @@ struct HostTensor {
 // Raises ValueError(msg).
 [[noreturn]] void fail(const std::string & msg);
 
-TensorView view_of_capsule(py::handle h, const char * name);
-TensorView view_of(py::handle h, const char * name);  // a capsule or a HostTensor
+TensorView view_of_capsule(py::handle h, const char * name);  // host memory only
+TensorView view_of(py::handle h, const char * name);  // a capsule or a HostTensor, host memory only
+// A capsule of a tensor in CUDA memory (the CUDA kernels' bindings).
+TensorView view_of_cuda(py::handle h, const char * name);
 std::string shape_str(const TensorView & v);
 // Raises ValueError "name (dtype [shape]): what" unless ok.
 void expect(bool ok, const char * name, const TensorView & v, const std::string & what);

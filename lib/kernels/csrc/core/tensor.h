@@ -1,5 +1,5 @@
-// A non-owning view of a host tensor: what the kernels take. The bindings build one from
-// a DLPack capsule after checking device, dtype and layout, so kernels trust it.
+// A non-owning view of a tensor in host or CUDA memory: what the kernels take. The bindings
+// build one from a DLPack capsule after checking device, dtype and layout, so kernels trust it.
 #pragma once
 
 #include <cstddef>
@@ -35,9 +35,13 @@ inline const char * dtype_name(DType t) {
 
 constexpr int kMaxDims = 6;
 
+enum class Device : int { cpu = 0, cuda = 1 };
+
 struct TensorView {
     void * data = nullptr;
     DType dtype = DType::f32;
+    Device device = Device::cpu;
+    int device_id = 0;  // the CUDA ordinal (0 on the CPU)
     int ndim = 0;
     int64_t shape[kMaxDims] = {};
     int64_t strides[kMaxDims] = {};  // in elements
