@@ -1,0 +1,24 @@
+// Quantized-weight matmuls on the GPU (gemm_quant.cu): the twins of cpu/quant.h's W4A16 and
+// W8A16, on the same layouts (described there and in lmd/weights/quant_layouts.py).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/tensor.h"
+
+namespace lmd::cuda {
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]), w[n, k] = q[n, k] * scales[n, k / G] + mins[n, k / G].
+// x, y: one float dtype, unit stride in the last dim, any row stride; qweight uint8 [N, K / 2]
+// (16-byte aligned), scales, mins, bias float32, contiguous; all on the stream's device (the
+// bindings check). Row m of y is bitwise the same whatever M: the kernel computes each row alone.
+void linear_w4a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                  const TensorView & mins, const TensorView * bias, const TensorView & y, int64_t group_size,
+                  cudaStream_t stream);
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]), w[n, k] = q[n, k] * scales[n, k / G]; qweight int8
+// [N, K] (16-byte aligned); the rest as for linear_w4a16.
+void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                  const TensorView * bias, const TensorView & y, int64_t group_size, cudaStream_t stream);
+
+}  // namespace lmd::cuda
