@@ -46,6 +46,7 @@ bool read_bias(py::handle bias_h, TensorView & bias, int64_t N) {
     return true;
 }
 
+template <bool kTensorCores>
 void linear_w4a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::handle mins_h, py::handle bias_h,
                   py::handle y_h, int64_t group_size, uintptr_t stream) {
     const TensorView x = view_of_cuda(x_h, "x"), qweight = view_of_cuda(qweight_h, "qweight");
@@ -56,6 +57,9 @@ void linear_w4a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
            "must be a contiguous uint8 [N, K / 2] tensor (two 4-bit values a byte)");
     const int64_t N = qweight.size(0);
     check_x_y(x, y, N, group_size);
+    if (kTensorCores) {
+        expect(x.dtype == DType::f16 || x.dtype == DType::bf16, "x", x, "must be float16 or bfloat16 (tensor cores)");
+    }
     const int64_t K = x.size(1);
     expect(qweight.size(1) * 2 == K, "qweight", qweight, "must be [N, K / 2] with x's K = " + std::to_string(K));
     check_aligned(qweight);
@@ -65,7 +69,11 @@ void linear_w4a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
     const bool has_bias = read_bias(bias_h, bias, N);
     if (has_bias) expect_same_device({&x, &qweight, &scales, &mins, &bias, &y}, "linear_w4a16");
     else expect_same_device({&x, &qweight, &scales, &mins, &y}, "linear_w4a16");
-    cuda::linear_w4a16(x, qweight, scales, mins, has_bias ? &bias : nullptr, y, group_size, stream_of(stream));
+    if (kTensorCores) {
+        cuda::linear_w4a16_mma(x, qweight, scales, mins, has_bias ? &bias : nullptr, y, group_size, stream_of(stream));
+    } else {
+        cuda::linear_w4a16(x, qweight, scales, mins, has_bias ? &bias : nullptr, y, group_size, stream_of(stream));
+    }
 }
 
 void linear_w8a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::handle bias_h, py::handle y_h,
@@ -89,12 +97,17 @@ void linear_w8a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
 }
 
 void bind(py::module_ & m) {
-    m.def("linear_w4a16", &linear_w4a16, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
+    m.def("linear_w4a16", &linear_w4a16<false>, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
           py::arg("bias"), py::arg("y"), py::arg("group_size"), py::arg("stream") = 0,
           "ops.linear_w4a16 on the GPU: y[M, N] = x[M, K] @ w.T (+ bias[N]), w[n, k] = q[n, k] * "
           "scales[n, k // G] + mins[n, k // G]; qweight uint8 [N, K / 2] (low nibble = even k, 16-byte "
           "aligned), scales and mins float32 [N, K / G], bias float32 [N] or None. Row m of y is the same "
           "bits whatever M.");
+    m.def("linear_w4a16_mma", &linear_w4a16<true>, py::arg("x"), py::arg("qweight"), py::arg("scales"),
+          py::arg("mins"), py::arg("bias"), py::arg("y"), py::arg("group_size"), py::arg("stream") = 0,
+          "linear_w4a16 on tensor cores (mma.sync, sm_80+), for prefill-sized M: x and y float16 or "
+          "bfloat16. Not bitwise equal to linear_w4a16 (another order of float additions); row m of y is "
+          "the same bits whatever M.");
     m.def("linear_w8a16", &linear_w8a16, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
           py::arg("y"), py::arg("group_size"), py::arg("stream") = 0,
           "ops.linear_w8a16 on the GPU: y[M, N] = x[M, K] @ w.T (+ bias[N]), w[n, k] = qweight[n, k] * "

@@ -16,6 +16,14 @@ void linear_w4a16(const TensorView & x, const TensorView & qweight, const Tensor
                   const TensorView & mins, const TensorView * bias, const TensorView & y, int64_t group_size,
                   cudaStream_t stream);
 
+// linear_w4a16 on tensor cores (gemm_w4a16_mma.cu), for prefill: x and y float16 or bfloat16,
+// the rest as above. Same formula, float accumulation, another order of additions: within the
+// tolerance of the reference, not bitwise equal to linear_w4a16; row m is bitwise the same
+// whatever M here too.
+void linear_w4a16_mma(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                      const TensorView & mins, const TensorView * bias, const TensorView & y, int64_t group_size,
+                      cudaStream_t stream);
+
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]), w[n, k] = q[n, k] * scales[n, k / G]; qweight int8
 // [N, K] (16-byte aligned); the rest as for linear_w4a16.
 void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
