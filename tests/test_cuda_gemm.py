@@ -221,6 +221,48 @@ def test_w4a16_mma_batch_invariance(dtype):
     assert torch.equal(on_gpu('w4mma', xd, qd, sd, md, b, G), full)
 
 
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('M,K', [(1, 576), (7, 4096), (64, 1536), (3, 100), (5, 14336)])
+def test_quantize_per_token(M, K, dtype):
+    """The same float operations as the reference (127 / absmax, x * inv, round to nearest
+    even, absmax / 127): the same bits."""
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+    x[M // 2] = 0  # a zero row: sx = 0 and xq = 0
+    xq_ref, sx_ref = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
+    ops.quantize_per_token(cap(x), cap(xq_ref), cap(sx_ref), reference=True)
+    xq = torch.full((M, K), -128, dtype=torch.int8, device='cuda')  # -128: never a result (|xq| <= 127)
+    sx = torch.full((M,), float('nan'), device='cuda')
+    cuda.quantize_per_token(cap(x.cuda()), cap(xq), cap(sx), stream())
+    assert torch.equal(xq.cpu(), xq_ref) and torch.equal(sx.cpu(), sx_ref)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('N,K', [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (4096, 14336), (70, 100)])
+@pytest.mark.parametrize('M', [1, 9, 64])
+def test_w8a8(M, N, K, dtype):
+    """The int32 dot is exact in any order and the rest are the reference's float operations
+    (float(dot) * sx * sw + bias, rounded once to y's dtype): float32 outputs are the same
+    bits; float16/bfloat16 ones are held to one spacing of the dtype, should the two sides
+    round the same float differently. K = 100 takes the unaligned, byte-by-byte weight path."""
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    qweight = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) * 0.01 + 1e-4
+    bias = torch.randn(N, generator=g) if M != 9 else None
+    ref = torch.empty(M, N, dtype=dtype)
+    ops.linear_w8a8(cap(x), cap(qweight), cap(scales), cap(bias) if bias is not None else None, cap(ref),
+                    reference=True)
+    y = torch.full((M, N), float('nan'), dtype=dtype, device='cuda')
+    cuda.linear_w8a8(cap(x.cuda()), cap(qweight.cuda()), cap(scales.cuda()),
+                     cap(bias.cuda()) if bias is not None else None, cap(y), stream())
+    out, ref = y.cpu().float(), ref.float()
+    if dtype == torch.float32:
+        assert torch.equal(out, ref)
+    else:
+        assert ((out - ref).abs() <= EPS[dtype] * ref.abs() + 1e-6).all()
+
+
 def test_bad_input_is_named():
     x = torch.zeros(2, 64, device='cuda')
     qw = torch.zeros(8, 32, dtype=torch.uint8, device='cuda')
@@ -238,6 +280,11 @@ def test_bad_input_is_named():
         cuda.linear_w4a16(cap(x), cap(qw), cap(s), cap(s), cap(torch.zeros(7, device='cuda')), cap(y), 32, stream())
     with pytest.raises(ValueError, match='^x .*float16 or bfloat16'):
         cuda.linear_w4a16_mma(cap(x), cap(qw), cap(s), cap(s), None, cap(y), 32, stream())
+    with pytest.raises(ValueError, match='^scales '):
+        cuda.linear_w8a8(cap(x), cap(qw.to(torch.int8).view(4, 64)), cap(s), None, cap(y[:, :4]), stream())
+    with pytest.raises(ValueError, match='^xq '):
+        cuda.quantize_per_token(cap(x), cap(torch.zeros(2, 64, dtype=torch.uint8, device='cuda')),
+                                cap(torch.zeros(2, device='cuda')), stream())
     unaligned = torch.zeros(8 * 32 + 1, dtype=torch.uint8, device='cuda')[1:].view(8, 32)
     with pytest.raises(ValueError, match='16-byte aligned'):
         cuda.linear_w4a16(cap(x), cap(unaligned), cap(s), cap(s), None, cap(y), 32, stream())

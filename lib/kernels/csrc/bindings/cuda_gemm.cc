@@ -3,6 +3,7 @@
 #include <string>
 
 #include "bindings/cuda.h"
+#include "cpu/quant.h"
 #include "cuda/gemm_quant.h"
 
 namespace lmd {
@@ -96,6 +97,40 @@ void linear_w8a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
     cuda::linear_w8a16(x, qweight, scales, has_bias ? &bias : nullptr, y, group_size, stream_of(stream));
 }
 
+void linear_w8a8(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::handle bias_h, py::handle y_h,
+                 uintptr_t stream) {
+    const TensorView x = view_of_cuda(x_h, "x"), qweight = view_of_cuda(qweight_h, "qweight");
+    const TensorView scales = view_of_cuda(scales_h, "scales"), y = view_of_cuda(y_h, "y");
+    expect(qweight.ndim == 2 && qweight.contiguous() && qweight.dtype == DType::i8, "qweight", qweight,
+           "must be a contiguous int8 [N, K] tensor");
+    const int64_t N = qweight.size(0);
+    check_x_y(x, y, N, 1);
+    const int64_t K = x.size(1);
+    expect(qweight.size(1) == K, "qweight", qweight, "K must match x's " + std::to_string(K));
+    expect(K <= cpu::kW8A8MaxK, "x", x,
+           "K must be at most " + std::to_string(cpu::kW8A8MaxK) + " (the int32 dot products would overflow)");
+    expect(scales.ndim == 1 && scales.contiguous() && scales.dtype == DType::f32 && scales.size(0) == N, "scales",
+           scales, "must be a float32 [N] tensor, N = " + std::to_string(N));
+    TensorView bias;
+    const bool has_bias = read_bias(bias_h, bias, N);
+    if (has_bias) expect_same_device({&x, &qweight, &scales, &bias, &y}, "linear_w8a8");
+    else expect_same_device({&x, &qweight, &scales, &y}, "linear_w8a8");
+    cuda::linear_w8a8(x, qweight, scales, has_bias ? &bias : nullptr, y, stream_of(stream));
+}
+
+void quantize_per_token(py::handle x_h, py::handle xq_h, py::handle sx_h, uintptr_t stream) {
+    const TensorView x = view_of_cuda(x_h, "x"), xq = view_of_cuda(xq_h, "xq"), sx = view_of_cuda(sx_h, "sx");
+    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x,
+           "must be a float 2-D [M, K] tensor with unit stride in K");
+    expect(xq.ndim == 2 && xq.stride(1) == 1 && xq.dtype == DType::i8 && xq.size(0) == x.size(0) &&
+           xq.size(1) == x.size(1), "xq", xq, "must be an int8 " + dims(x.size(0), x.size(1)) +
+           " tensor with unit stride in K");
+    expect(sx.ndim == 1 && sx.contiguous() && sx.dtype == DType::f32 && sx.size(0) == x.size(0), "sx", sx,
+           "must be a float32 [M] tensor, M = " + std::to_string(x.size(0)));
+    expect_same_device({&x, &xq, &sx}, "quantize_per_token");
+    cuda::quantize_per_token(x, xq, sx, stream_of(stream));
+}
+
 void bind(py::module_ & m) {
     m.def("linear_w4a16", &linear_w4a16<false>, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
           py::arg("bias"), py::arg("y"), py::arg("group_size"), py::arg("stream") = 0,
@@ -113,6 +148,14 @@ void bind(py::module_ & m) {
           "ops.linear_w8a16 on the GPU: y[M, N] = x[M, K] @ w.T (+ bias[N]), w[n, k] = qweight[n, k] * "
           "scales[n, k // G]; qweight int8 [N, K] (16-byte aligned), scales float32 [N, K / G]. Row m of y "
           "is the same bits whatever M.");
+    m.def("linear_w8a8", &linear_w8a8, py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
+          py::arg("y"), py::arg("stream") = 0,
+          "ops.linear_w8a8 on the GPU: y[M, N] = x @ w.T (+ bias[N]) with x quantized per token to int8 and "
+          "w = qweight int8 [N, K] * scales float32 [N]; int32 accumulation; bitwise the CPU reference.");
+    m.def("quantize_per_token", &quantize_per_token, py::arg("x"), py::arg("xq"), py::arg("sx"),
+          py::arg("stream") = 0,
+          "ops.quantize_per_token on the GPU: xq[M, K] int8 = round(x * 127 / absmax(x[m])), "
+          "sx[M] float32 = absmax(x[m]) / 127; bitwise the CPU reference.");
 }
 
 }  // namespace

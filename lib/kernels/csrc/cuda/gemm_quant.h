@@ -29,4 +29,14 @@ void linear_w4a16_mma(const TensorView & x, const TensorView & qweight, const Te
 void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
                   const TensorView * bias, const TensorView & y, int64_t group_size, cudaStream_t stream);
 
+// xq[M, K] int8 (unit stride in K) and sx[M] float32 from x[M, K]: cpu::quantize_per_token's
+// formula (gemm_w8a8.cu), bitwise.
+void quantize_per_token(const TensorView & x, const TensorView & xq, const TensorView & sx, cudaStream_t stream);
+
+// y[M, N] = float(int32 dot(xq[m], w[n])) * sx[m] * sw[n] (+ bias[n]) with x quantized per token
+// as above (scratch from cudaMallocAsync on the stream); w int8 [N, K], sw and bias float32 [N],
+// contiguous; K at most cpu::kW8A8MaxK. Bitwise the reference's (the int32 dot is exact).
+void linear_w8a8(const TensorView & x, const TensorView & w, const TensorView & sw, const TensorView * bias,
+                 const TensorView & y, cudaStream_t stream);
+
 }  // namespace lmd::cuda
