@@ -181,7 +181,6 @@ void quant_matmul(const TensorView & x, const uint8_t * qweight, const float * s
                 quant_matmul_kernel<T, kM, kW4><<<grid, kThreads, 0, stream>>>(
                     x.ptr<T>(), x.stride(0), M, b0 * kM, qweight, scales, mins, b, ws, y.ptr<T>(), y.stride(0), N, K,
                     group_size);
-                LMD_CUDA_LAUNCHED(name);
             }
         };
         if (M == 1) launch.template operator()<1>();
@@ -191,10 +190,11 @@ void quant_matmul(const TensorView & x, const uint8_t * qweight, const float * s
         if (splits > 1) {
             const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(M * N, 256), 4096));
             split_sum_kernel<T><<<blocks, 256, 0, stream>>>(ws, splits, M, N, b, y.ptr<T>(), y.stride(0));
-            LMD_CUDA_LAUNCHED(name);
         }
     });
+    const cudaError_t launched = cudaGetLastError();  // a bad launch shows here: free the workspace first
     if (ws) LMD_CUDA_CHECK(cudaFreeAsync(ws, stream));
+    check(launched, name);
 }
 
 }  // namespace
