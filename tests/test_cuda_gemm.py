@@ -83,6 +83,8 @@ def magnitude(kind, x, qweight, scales, mins, bias, G):
 
 
 def check(kind, M, N, K, G, dtype, bias, seed=0):
+    if K % G:
+        G = 64  # SmolLM2's K = 576 = 9 * 64 takes groups of 64 where a model would have 128
     x, qweight, scales, mins, b = inputs(kind, M, N, K, G, dtype, bias, seed)
     ref = reference(kind, x, qweight, scales, mins, b, G).cuda().float()
     out = on_gpu(kind, x, qweight, scales, mins, b, G).float()
@@ -169,7 +171,7 @@ def test_batch_invariance(kind, N, K, dtype):
     """One kernel serves every M and computes each row alone, in an order that depends only on K:
     a row's result is the same bits in a batch of 1 (decode), of 3 or 8, or of 200 (prefill), at
     any position."""
-    G = 128
+    G = 64
     x, qweight, scales, mins, b = inputs(kind, 200, N, K, G, dtype, True, 3)
     xd, qd, sd = x.cuda(), qweight.cuda(), scales.cuda()
     md = mins.cuda() if mins is not None else None
