@@ -37,13 +37,14 @@ step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
 print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
       torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
 
-if step build 200 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
+if step build 150 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
         -C cmake.define.LMD_WITH_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 ; then
-    step import 30 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features());
+    step import 20 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features());
 print("cuda kernels:", lmd.kernels.cuda and lmd.kernels.cuda.compiled_archs(), lmd.kernels.cuda and lmd.kernels.cuda.device_count())'
-    step tests 200 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_cuda_*.py tests/test_gpu.py
+    step cuda_tests 150 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests/test_cuda_*.py
+    step tests 120 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
     preset=llama-1b; [ -n "${GPU_CHECK_QUICK:-}" ] && preset=tiny
-    step bench 90 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
+    step bench 75 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
         > $OUT/bench.json"
 fi
 
@@ -56,13 +57,15 @@ for line in open(os.path.join(out, 'steps.tsv')):
     summary['steps'][name] = {'rc': int(rc), 'seconds': int(secs)}
 env_log = open(os.path.join(out, 'env.log')).read().strip().splitlines()
 summary['env'] = env_log[-4:]
-xml = os.path.join(out, 'tests.xml')
-if os.path.exists(xml):
+for name in ('cuda_tests', 'tests'):
+    xml = os.path.join(out, name + '.xml')
+    if not os.path.exists(xml):
+        continue
     suite = ET.parse(xml).getroot().find('testsuite')
     failed = [f"{c.get('classname')}::{c.get('name')}: {(c.find('failure') if c.find('failure') is not None else c.find('error')).get('message', '')[:300]}"
               for c in suite.iter('testcase') if c.find('failure') is not None or c.find('error') is not None]
-    summary['tests'] = {k: int(suite.get(k, 0)) for k in ('tests', 'failures', 'errors', 'skipped')}
-    summary['tests']['failed'] = failed[:20]
+    summary[name] = {k: int(suite.get(k, 0)) for k in ('tests', 'failures', 'errors', 'skipped')}
+    summary[name]['failed'] = failed[:25]
 bench = os.path.join(out, 'bench.json')
 if os.path.exists(bench) and os.path.getsize(bench):
     try:
@@ -70,7 +73,7 @@ if os.path.exists(bench) and os.path.getsize(bench):
     except ValueError as e:
         summary['bench'] = f'unreadable: {e}'
 json.dump(summary, open(os.path.join(out, 'gpu_check.json'), 'w'), indent=1)
-for name in ('steps.tsv', 'tests.xml'):  # read into the summary; the device tool brings back 8 files at most
+for name in ('steps.tsv', 'cuda_tests.xml', 'tests.xml'):  # read into the summary; the device tool brings back 8 files at most
     if os.path.exists(os.path.join(out, name)):
         os.remove(os.path.join(out, name))
 print(json.dumps(summary, indent=1))
