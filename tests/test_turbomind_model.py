@@ -172,3 +172,18 @@ def test_smollm2_gguf_runs_at_4_bits_without_loss(smollm2_dir):
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_the_engine_runs_on_its_own_copy_of_the_kernels_pool():
+    """_turbomind links its own lmd_kernels: its kernels' regions show in its thread_pool_stats,
+    not in lmd.kernels' (two pools, two thread counts: lib/kernels/README.md, Threads)."""
+    from lmd import kernels
+    from lmd.turbomind import _turbomind
+    _, config, weights = make_hf_model('llama')
+    model = tm_model(config, weights)
+    mine, theirs = _turbomind.thread_pool_stats(), kernels._kernels.thread_pool_stats()
+    tm_chunked(model, random_tokens(40, seed=5), prefill_chunks=[32])
+    after = _turbomind.thread_pool_stats()
+    ran = lambda s: s['regions'] + s['inline_regions']  # noqa: E731
+    assert ran(after) > ran(mine)
+    assert ran(kernels._kernels.thread_pool_stats()) == ran(theirs)

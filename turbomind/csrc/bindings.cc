@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu/kernels.h"
+#include "cpu/parallel.h"
 
 namespace py = pybind11;
 
@@ -25,6 +26,17 @@ PYBIND11_MODULE(_turbomind, m) {
     m.def("set_num_threads", &lmd::cpu::set_num_threads, py::arg("n"),
           "Threads the engine's kernels may use (TurbomindEngineConfig.num_threads)");
     m.def("num_threads", &lmd::cpu::num_threads);
+    m.def("thread_pool_stats", []() {
+        const lmd::cpu::ThreadPoolStats s = lmd::cpu::thread_pool_stats();
+        py::dict d;
+        d["workers"] = s.workers;
+        d["team"] = s.team;
+        d["regions"] = s.regions;
+        d["inline_regions"] = s.inline_regions;
+        d["stalls"] = s.stalls;
+        d["shrinks"] = s.shrinks;
+        return d;
+    }, "The engine's own copy of the kernels' thread pool: as lmd.kernels._kernels.thread_pool_stats.");
     turbomind::bind_engine_parts(m);
     turbomind::bind_models(m);
 }
