@@ -171,13 +171,19 @@ class EngineConfig:
 @dataclass
 class PytorchEngineConfig(EngineConfig):
     """The PyTorch backend's settings: the shared ones, and its kernels and CPU cache cap."""
-    kernel_backend: str | None = None  # None: by device ('native' on CPU, 'triton' on CUDA)
+    # None: by device ('native' on CPU, 'triton' on CUDA); 'cuda': lmd's own CUDA kernels (a build
+    # with them, on a CUDA device; not the default until it has passed the GPU tests)
+    kernel_backend: str | None = None
     max_cache_memory_gib: float | None = 4.0  # caps cache_max_entry_count on CPU, where "free" is the host's RAM
 
     def __post_init__(self):
         super().__post_init__()
         c = 'PytorchEngineConfig'
-        _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'native', 'triton'))
+        _check_choice(c, 'kernel_backend', self.kernel_backend, (None, 'torch', 'native', 'triton', 'cuda'))
+        if self.kernel_backend == 'cuda' and self.device == 'cpu':
+            _fail(c, 'kernel_backend', self.kernel_backend,
+                  "lmd's CUDA kernels run on a CUDA device: set device='cuda', or choose 'native' or 'torch' "
+                  "for the CPU (a build with them: pip install . -C cmake.define.LMD_WITH_CUDA=ON)")
         if self.max_cache_memory_gib is not None:
             _check_range(c, 'max_cache_memory_gib', self.max_cache_memory_gib, lo=0.0, lo_open=True)
 

@@ -56,6 +56,16 @@ def test_engine_config_rejects(cls, field, value, needle):
     assert f'{cls.__name__}.{field}=' in msg and needle in msg
 
 
+def test_cuda_kernel_backend_needs_a_cuda_device():
+    """lmd's CUDA kernels on a CPU engine: refused at once, naming what to do instead."""
+    with pytest.raises(ValueError, match=r"PytorchEngineConfig.kernel_backend='cuda' is invalid: .*device='cuda'.*"
+                                         r"'native' or 'torch'.*LMD_WITH_CUDA=ON"):
+        PytorchEngineConfig(kernel_backend='cuda')
+    assert PytorchEngineConfig(kernel_backend='cuda', device='cuda:0').kernel_backend == 'cuda'
+    with pytest.raises(ValueError, match="kernel_backend='cuda-graphs' is invalid: .*'triton', 'cuda'"):
+        PytorchEngineConfig(kernel_backend='cuda-graphs', device='cuda')
+
+
 def test_chat_template_config_names_builtins():
     assert ChatTemplateConfig('chatml').model_name == 'chatml'
     with pytest.raises(ValueError, match='llama3'):

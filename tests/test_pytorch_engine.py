@@ -437,3 +437,21 @@ def test_smollm2_prefix_cache_hit(smol):
     assert engine.stats().num_prefix_hit_tokens - before >= 192 and final_b.num_cached_tokens >= 192
     assert got_b == hf_greedy(hf, b, 8)
     engine.check_invariants()
+
+
+def test_cuda_kernel_backend_errors():
+    """The 'cuda' kernels (lmd.kernels.cuda) on the wrong device or in a build without them: a clear
+    error when the model is built, naming what to do (tests/test_gpu.py runs them on a GPU)."""
+    import lmd.kernels
+    from lmd.pytorch_backend.kernels import BACKENDS, get_kernels
+    assert 'cuda' in BACKENDS
+    with pytest.raises(ValueError, match="kernel backend 'cuda' runs lmd's CUDA kernels on a CUDA device, not on cpu"):
+        get_kernels('cpu', 'cuda')
+    with pytest.raises(ValueError, match="runs on cuda:0 for now, not on cuda:1.*CUDA_VISIBLE_DEVICES=1"):
+        get_kernels('cuda:1', 'cuda')
+    if lmd.kernels.cuda is None:
+        with pytest.raises(RuntimeError, match=r"needs lmd built with its CUDA kernels .*"
+                                               r"pip install \. -C cmake\.define\.LMD_WITH_CUDA=ON"):
+            get_kernels('cuda', 'cuda')
+    else:
+        assert get_kernels('cuda', 'cuda').name == 'cuda'

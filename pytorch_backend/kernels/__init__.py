@@ -6,7 +6,9 @@ default) runs TurboMind's C++ kernels for decode matmuls and attention and
 borrows torch's for the rest; ``triton`` runs the Triton kernels of
 ``kernels/triton`` on CUDA tensors (or on CPU tensors under
 ``TRITON_INTERPRET=1``, which is how the tests check them), and borrows the
-torch version wherever it has none of its own.
+torch version wherever it has none of its own; ``cuda`` runs lmd's own CUDA kernels
+(``lmd.kernels.cuda``, see ``cuda.py``) on CUDA tensors and cuBLAS for float matmuls. On CUDA
+the default stays 'triton' until the 'cuda' backend has passed tests/test_gpu.py on a GPU.
 
 A linear layer's parameters go through ``prepare_linear(weight, bias)`` once at
 load; ``linear(x, prepared)`` takes what it returned. A quantized weight (AWQ's W4A16,
@@ -25,7 +27,7 @@ import torch
 
 from . import torch_ops
 
-BACKENDS = ('torch', 'native', 'triton')
+BACKENDS = ('torch', 'native', 'triton', 'cuda')
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,36 @@ def _triton_kernels() -> Kernels:
     )
 
 
+def _cuda_kernels(device: torch.device) -> Kernels:
+    if device.type != 'cuda':
+        raise ValueError(f"kernel backend 'cuda' runs lmd's CUDA kernels on a CUDA device, not on {device}; "
+                         "on the CPU choose 'native' or 'torch'")
+    if device.index not in (None, 0):
+        # the kernels launch on the current device, which is device 0 on the engine's thread
+        raise ValueError(f"kernel backend 'cuda' runs on cuda:0 for now, not on {device}: choose 'triton' "
+                         f"there, or run with CUDA_VISIBLE_DEVICES={device.index} and device='cuda'")
+    try:
+        from . import cuda as cuda_ops
+    except ImportError as e:
+        raise RuntimeError(f"kernel backend 'cuda' needs lmd built with its CUDA kernels ({e}): "
+                           "pip install . -C cmake.define.LMD_WITH_CUDA=ON") from None
+    return Kernels(
+        name='cuda',
+        rms_norm=cuda_ops.rms_norm,
+        apply_rotary=torch_ops.apply_rotary,
+        silu_and_mul=cuda_ops.silu_and_mul,
+        fill_kv_cache=torch_ops.fill_kv_cache,
+        paged_attention=cuda_ops.paged_attention,
+        add_rms_norm=cuda_ops.add_rms_norm,
+        rope_fill_kv=cuda_ops.rope_fill_kv,
+        prepare_linear=cuda_ops.prepare_linear,
+        linear=cuda_ops.linear,
+    )
+
+
 def get_kernels(device: torch.device | str = 'cpu', backend: str | None = None) -> Kernels:
     """Kernels for ``device``; backend None picks 'native' on CPU (or 'torch' where the
-    extension is missing) and 'triton' on CUDA."""
+    extension is missing) and 'triton' on CUDA ('cuda' only when asked for, for now)."""
     device = torch.device(device)
     if backend is None:
         if device.type == 'cuda':
@@ -130,4 +159,6 @@ def get_kernels(device: torch.device | str = 'cpu', backend: str | None = None) 
         return _native_kernels()
     if backend == 'triton':
         return _triton_kernels()
+    if backend == 'cuda':
+        return _cuda_kernels(device)
     raise ValueError(f'unknown kernel backend {backend!r}; choose one of {", ".join(BACKENDS)}')
