@@ -41,8 +41,8 @@ if step build 150 "$PY" -m pip install --no-deps --no-build-isolation --no-index
         -C cmake.define.LMD_WITH_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 ; then
     step import 20 "$PY" -c 'import lmd.kernels, lmd.turbomind, lmd.pytorch_backend; print(lmd.kernels.cpu_features());
 print("cuda kernels:", lmd.kernels.cuda and lmd.kernels.cuda.compiled_archs(), lmd.kernels.cuda and lmd.kernels.cuda.device_count())'
-    step cuda_tests 150 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests/test_cuda_*.py
-    step tests 120 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
+    step cuda_tests 130 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests/test_cuda_*.py
+    step tests 180 "$PY" -m pytest -q -rfs -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/test_gpu.py
     preset=llama-1b; [ -n "${GPU_CHECK_QUICK:-}" ] && preset=tiny
     step bench 75 bash -c "$PY benchmark/gpu_decode.py --preset $preset --batch 1 16 --prompt-len 128 --new 64 \
         > $OUT/bench.json"
