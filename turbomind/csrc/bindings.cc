@@ -2,8 +2,8 @@
 // kernel library (lmd_kernels, linked in statically); their Python face is lmd.kernels.
 #include <pybind11/pybind11.h>
 
+#include "bindings/pool_stats.h"
 #include "cpu/kernels.h"
-#include "cpu/parallel.h"
 
 namespace py = pybind11;
 
@@ -26,17 +26,8 @@ PYBIND11_MODULE(_turbomind, m) {
     m.def("set_num_threads", &lmd::cpu::set_num_threads, py::arg("n"),
           "Threads the engine's kernels may use (TurbomindEngineConfig.num_threads)");
     m.def("num_threads", &lmd::cpu::num_threads);
-    m.def("thread_pool_stats", []() {
-        const lmd::cpu::ThreadPoolStats s = lmd::cpu::thread_pool_stats();
-        py::dict d;
-        d["workers"] = s.workers;
-        d["team"] = s.team;
-        d["regions"] = s.regions;
-        d["inline_regions"] = s.inline_regions;
-        d["stalls"] = s.stalls;
-        d["shrinks"] = s.shrinks;
-        return d;
-    }, "The engine's own copy of the kernels' thread pool: as lmd.kernels._kernels.thread_pool_stats.");
+    m.def("thread_pool_stats", &lmd::thread_pool_stats_dict,
+          "The engine's own copy of the kernels' thread pool: as lmd.kernels._kernels.thread_pool_stats.");
     turbomind::bind_engine_parts(m);
     turbomind::bind_models(m);
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "bindings/cuda.h"
+#include "bindings/kv_cache.h"
 #include "cuda/paged_attention.h"
 
 namespace lmd {
@@ -28,35 +29,18 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
            ">= head_dim / 32: 16, 24, 32, 64, 80, 96, 128, 256 are)");
     expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
     const int64_t Hk = kc.size(2);
-    cuda::PagedKVQuant kvq;
-    const bool quantized = !kp_h.is_none() || !vp_h.is_none();
-    TensorView kp, vp;
-    if (!quantized) {
-        expect(kc.contiguous() && kc.dtype == q.dtype && kc.size(3) == D, "k_cache", kc,
-               "must be a contiguous [num_blocks, block_size, Hk, " + std::to_string(D) + "] tensor of " +
-               dtype_name(q.dtype));
-    } else {
-        if (kp_h.is_none() || vp_h.is_none()) fail("k_params and v_params: give both (a quantized cache) or neither");
-        expect(kc.contiguous() && kc.dtype == DType::u8 && (kc.size(3) == D || (D % 2 == 0 && kc.size(3) == D / 2)),
-               "k_cache", kc, "a quantized cache must be a contiguous uint8 [num_blocks, block_size, Hk, D or D / 2] "
-               "tensor (8 or 4 bits), D = " + std::to_string(D));
-        kvq.bits = kc.size(3) == D ? 8 : 4;
-        kp = view_of_cuda(kp_h, "k_params");
-        vp = view_of_cuda(vp_h, "v_params");
-        expect_same_device({&q, &kp, &vp}, op);
-        for (const TensorView * p : {&kp, &vp}) {
-            expect(p->ndim == 4 && p->contiguous() && p->dtype == DType::f32 && p->size(0) == kc.size(0) &&
-                   p->size(1) == kc.size(1) && p->size(2) == Hk && p->size(3) == 2 && aligned(*p, 8),
-                   p == &kp ? "k_params" : "v_params", *p,
-                   "must be a contiguous, 8-byte aligned float32 [num_blocks, block_size, Hk, 2] tensor (scale, zero)");
-        }
-        kvq.k_params = kp.ptr<float>();
-        kvq.v_params = vp.ptr<float>();
-    }
+    KVQuant kv;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, q.dtype, Hk, D, kv, view_of_cuda);
+    // the kernel reads caches in 16-byte vectors and (scale, zero) pairs in 8-byte ones
     expect(aligned(kc, 16), "k_cache", kc, "must start on a 16-byte boundary");
-    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype && aligned(vc, 16), "v_cache", vc,
-           "must match k_cache (contiguous, its dtype, 16-byte aligned)");
-    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
+    expect(aligned(vc, 16), "v_cache", vc, "must start on a 16-byte boundary");
+    cuda::PagedKVQuant kvq;
+    if (quantized) {
+        expect_same_device({&q, &kv.k_params, &kv.v_params}, op);
+        expect(aligned(kv.k_params, 8), "k_params", kv.k_params, "must start on an 8-byte boundary");
+        expect(aligned(kv.v_params, 8), "v_params", kv.v_params, "must start on an 8-byte boundary");
+        kvq = {kv.k_params.ptr<float>(), kv.v_params.ptr<float>(), kv.bits};
+    }
     expect(Hk > 0 && Hq % Hk == 0, "q", q, "heads must be a multiple of the cache's KV heads");
     expect(kc.size(0) <= INT32_MAX && kc.size(0) * kc.size(1) <= INT32_MAX, "k_cache", kc,
            "must have fewer than 2^31 slots");

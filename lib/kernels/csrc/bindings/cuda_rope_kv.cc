@@ -2,41 +2,12 @@
 // checks, except the range checks of positions and slots: those live on the device, and the kernel
 // handles a value out of range without touching memory outside the tensors (see cuda/rope_kv.h).
 #include "bindings/cuda.h"
+#include "bindings/kv_cache.h"
 #include "cuda/rope_kv.h"
 
 namespace lmd {
 
 namespace {
-
-// The caches of a float model (dtype = the model's) or, with k_params/v_params given, a quantized one
-// (uint8 rows of D codes, 8 bits, or D / 2 bytes, 4 bits): checked as ops.cc's check_kv_cache does.
-bool check_kv_cache(const TensorView & kc, const TensorView & vc, py::handle kp_h, py::handle vp_h, DType dtype,
-                    int64_t num_kv_heads, int64_t D, cuda::KVQuantView & kvq) {
-    const bool quantized = !kp_h.is_none() || !vp_h.is_none();
-    if (!quantized) {
-        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == dtype && kc.size(2) == num_kv_heads && kc.size(3) == D,
-               "k_cache", kc, "must be a contiguous [num_blocks, block_size, " + std::to_string(num_kv_heads) + ", " +
-               std::to_string(D) + "] tensor of " + dtype_name(dtype));
-    } else {
-        if (kp_h.is_none() || vp_h.is_none()) fail("k_params and v_params: give both (a quantized cache) or neither");
-        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == DType::u8 && kc.size(2) == num_kv_heads &&
-               (kc.size(3) == D || (D % 2 == 0 && kc.size(3) == D / 2)), "k_cache", kc,
-               "a quantized cache must be a contiguous uint8 [num_blocks, block_size, " + std::to_string(num_kv_heads) +
-               ", D or D / 2] tensor (8 or 4 bits), D = " + std::to_string(D));
-        kvq.bits = kc.size(3) == D ? 8 : 4;
-        kvq.k_params = view_of_cuda(kp_h, "k_params");
-        kvq.v_params = view_of_cuda(vp_h, "v_params");
-        for (const TensorView * p : {&kvq.k_params, &kvq.v_params}) {
-            expect(p->ndim == 4 && p->contiguous() && p->dtype == DType::f32 && p->size(0) == kc.size(0) &&
-                   p->size(1) == kc.size(1) && p->size(2) == kc.size(2) && p->size(3) == 2,
-                   p == &kvq.k_params ? "k_params" : "v_params", *p,
-                   "must be a contiguous float32 [num_blocks, block_size, Hk, 2] tensor (scale, zero)");
-        }
-    }
-    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype, "v_cache", vc, "must match k_cache");
-    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
-    return quantized;
-}
 
 void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handle k_h, py::handle v_h,
                   py::handle slots_h, py::handle q_out_h, int64_t num_heads, int64_t num_kv_heads, py::handle kp_h,
@@ -64,8 +35,8 @@ void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handl
     expect(cs.ndim == 2 && cs.stride(1) == 1 && cs.size(1) % 2 == 0 && cs.size(1) <= D && cs.dtype == qkv.dtype,
            "cos_sin", cs, "must be [max_position, rot] with even rot <= head_dim and qkv's dtype");
     expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
-    cuda::KVQuantView kvq;
-    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq);
+    KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq, view_of_cuda);
     if (quantized) {
         expect_same_device({&qkv, &pos, &cs, &kc, &vc, &slots, &q_out, &kvq.k_params, &kvq.v_params}, "rope_fill_kv");
     } else {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <vector>
 
+#include "bindings/pool_stats.h"
 #include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
 
@@ -56,18 +57,9 @@ PYBIND11_MODULE(_kernels, m) {
 #endif
     }, "Let the calling thread's idle OpenMP workers (torch's, after loading) exit: libgomp workers left "
        "spinning after torch's last parallel region would take the cores from the kernels' pool.");
-    m.def("thread_pool_stats", []() {
-        const lmd::cpu::ThreadPoolStats s = lmd::cpu::thread_pool_stats();
-        py::dict d;
-        d["workers"] = s.workers;
-        d["team"] = s.team;
-        d["regions"] = s.regions;
-        d["inline_regions"] = s.inline_regions;
-        d["stalls"] = s.stalls;
-        d["shrinks"] = s.shrinks;
-        return d;
-    }, "The kernels' thread pool (of this module; TurboMind's engine links its own): workers started, the "
-       "team the next region may use, regions run on it and inline, stalls on a preempted worker, team cuts.");
+    m.def("thread_pool_stats", &lmd::thread_pool_stats_dict,
+          "The kernels' thread pool (of this module; TurboMind's engine links its own): workers started, the "
+          "team the next region may use, regions run on it and inline, stalls on a preempted worker, team cuts.");
     m.def("thread_pool_check", [](int threads, int64_t regions, int64_t pieces) {
         py::gil_scoped_release release;
         // every piece of every region runs exactly once, on a thread index below `threads`

@@ -10,6 +10,7 @@
 #include "core/dlpack.h"
 #include "core/py_tensor.h"
 #include "core/tensor.h"
+#include "bindings/kv_cache.h"
 #include "cpu/kernels.h"
 
 namespace py = pybind11;
@@ -38,37 +39,6 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
     cpu::linear(x, w, has_bias ? &bias : nullptr, y, reference);
 }
 
-// The caches of a float model (dtype = the model's) or, with k_params/v_params given, a
-// quantized one (uint8 rows of D codes, 8 bits, or D / 2 bytes, 4 bits): checked, and the
-// KVQuant the kernels take.
-bool check_kv_cache(const TensorView & kc, const TensorView & vc, py::handle kp_h, py::handle vp_h, DType dtype,
-                    int64_t num_kv_heads, int64_t D, cpu::KVQuant & kvq) {
-    const bool quantized = !kp_h.is_none() || !vp_h.is_none();
-    if (!quantized) {
-        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == dtype && kc.size(2) == num_kv_heads && kc.size(3) == D,
-               "k_cache", kc, "must be a contiguous [num_blocks, block_size, " + std::to_string(num_kv_heads) + ", " +
-               std::to_string(D) + "] tensor of " + dtype_name(dtype));
-    } else {
-        if (kp_h.is_none() || vp_h.is_none()) fail("k_params and v_params: give both (a quantized cache) or neither");
-        expect(kc.ndim == 4 && kc.contiguous() && kc.dtype == DType::u8 && kc.size(2) == num_kv_heads &&
-               (kc.size(3) == D || (D % 2 == 0 && kc.size(3) == D / 2)), "k_cache", kc,
-               "a quantized cache must be a contiguous uint8 [num_blocks, block_size, " + std::to_string(num_kv_heads) +
-               ", D or D / 2] tensor (8 or 4 bits), D = " + std::to_string(D));
-        kvq.bits = kc.size(3) == D ? 8 : 4;
-        kvq.k_params = view_of(kp_h, "k_params");
-        kvq.v_params = view_of(vp_h, "v_params");
-        for (const TensorView * p : {&kvq.k_params, &kvq.v_params}) {
-            expect(p->ndim == 4 && p->contiguous() && p->dtype == DType::f32 && p->size(0) == kc.size(0) &&
-                   p->size(1) == kc.size(1) && p->size(2) == kc.size(2) && p->size(3) == 2,
-                   p == &kvq.k_params ? "k_params" : "v_params", *p,
-                   "must be a contiguous float32 [num_blocks, block_size, Hk, 2] tensor (scale, zero)");
-        }
-    }
-    expect(vc.ndim == 4 && vc.contiguous() && vc.dtype == kc.dtype, "v_cache", vc, "must match k_cache");
-    for (int i = 0; i < 4; ++i) expect(vc.size(i) == kc.size(i), "v_cache", vc, "must have k_cache's shape");
-    return quantized;
-}
-
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
                             float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h) {
     const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
@@ -76,8 +46,8 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
     const TensorView out = view_of(out_h, "out");
     expect(q.ndim == 3 && q.stride(2) == 1 && is_float(q.dtype), "q", q, "must be a float [B, Hq, D] tensor with unit stride in D");
     expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
-    cpu::KVQuant kvq;
-    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, q.dtype, kc.size(2), q.size(2), kvq);
+    KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, q.dtype, kc.size(2), q.size(2), kvq, view_of);
     expect(q.size(1) % kc.size(2) == 0, "q", q, "heads must be a multiple of the cache's KV heads");
     expect(tables.ndim == 2 && tables.dtype == DType::i32 && tables.stride(1) == 1 && tables.size(0) == q.size(0),
            "block_tables", tables, "must be an int32 [B, max_blocks] tensor");
@@ -143,8 +113,8 @@ void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handl
     expect(cs.ndim == 2 && cs.stride(1) == 1 && cs.size(1) % 2 == 0 && cs.size(1) <= D && cs.dtype == qkv.dtype,
            "cos_sin", cs, "must be [max_position, rot] with even rot <= head_dim and qkv's dtype");
     expect(kc.ndim == 4, "k_cache", kc, "must be [num_blocks, block_size, Hk, D]");
-    cpu::KVQuant kvq;
-    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq);
+    KVQuant kvq;
+    const bool quantized = check_kv_cache(kc, vc, kp_h, vp_h, qkv.dtype, num_kv_heads, D, kvq, view_of);
     const int64_t num_slots = kc.size(0) * kc.size(1), max_pos = cs.size(0);
     for (int64_t t = 0; t < T; ++t) {
         const int64_t p = pos.ptr<int64_t>()[t], s = slots.ptr<int64_t>()[t];

@@ -64,6 +64,17 @@ struct TensorView {
     template <typename T> T * ptr() const { return static_cast<T *>(data); }
 };
 
+// A quantized KV cache (quant_policy 8 or 4). k_cache and v_cache are uint8
+// [num_blocks, block_size, Hk, D * bits / 8] (4 bits: element 2i in the low nibble of byte i,
+// 2i + 1 in the high one); each (token, head) row of D values has its own asymmetric pair
+// (scale, zero) in k_params / v_params, float32 [num_blocks, block_size, Hk, 2]:
+//   x ≈ q * scale + zero,   scale = (max - min) / (2^bits - 1),   zero = min,
+//   q = round-half-even((x - min) * (1 / scale)) clamped to [0, 2^bits - 1]  (0 when scale is 0).
+struct KVQuant {
+    TensorView k_params, v_params;
+    int bits = 0;
+};
+
 // float <-> bfloat16 / float16 in scalar code (the reference kernels and the tails).
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;

@@ -8,16 +8,8 @@
 
 namespace lmd::cpu {
 
-// A quantized KV cache (quant_policy 8 or 4). k_cache and v_cache are uint8
-// [num_blocks, block_size, Hk, D * bits / 8] (4 bits: element 2i in the low nibble of byte i,
-// 2i + 1 in the high one); each (token, head) row of D values has its own asymmetric pair
-// (scale, zero) in k_params / v_params, float32 [num_blocks, block_size, Hk, 2]:
-//   x ≈ q * scale + zero,   scale = (max - min) / (2^bits - 1),   zero = min,
-//   q = round-half-even((x - min) * (1 / scale)) clamped to [0, 2^bits - 1]  (0 when scale is 0).
-struct KVQuant {
-    TensorView k_params, v_params;
-    int bits = 0;
-};
+using ::lmd::KVQuant;  // core/tensor.h: the layout of a quantized KV cache
+
 
 // Row x[D] (float32) into q (D * bits / 8 bytes) and params[2]: the one quantizer of the cache.
 void kv_quantize_row(const float * x, int64_t D, int bits, uint8_t * q, float * params);
@@ -43,7 +35,7 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 // k_cache, v_cache: [num_blocks, block_size, Hk, D] contiguous; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (tokens each query attends to, itself included).
 // q, out and the caches share a dtype; scores and softmax run in float32.
-// With kv_quant, the caches hold quantized rows (KVQuant below).
+// With kv_quant, the caches hold quantized rows (KVQuant, core/tensor.h).
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
                             const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false);
@@ -64,7 +56,7 @@ void rms_norm(const TensorView & x, const TensorView & w, float eps, const Tenso
 // q_out[T, Hq, D], rotated k and plain v into the caches at slots[T] (int64).
 // cos_sin: [max_position, rot] = cat(cos, sin) of rot / 2 frequencies; rot <= D (the
 // tail of each head passes through). positions: [T] int64. With kv_quant, k (rotated in
-// float32) and v are quantized into the caches (KVQuant below).
+// float32) and v are quantized into the caches (KVQuant, core/tensor.h).
 void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
                   const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
                   const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads,

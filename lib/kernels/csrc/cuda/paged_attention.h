@@ -10,7 +10,7 @@
 
 namespace lmd::cuda {
 
-// A quantized cache (cpu::KVQuant): uint8 rows of D codes (bits 8) or D / 2 bytes (bits 4), element
+// A quantized cache (KVQuant, core/tensor.h) as the kernel takes it: uint8 rows of D codes (bits 8) or D / 2 bytes (bits 4), element
 // 2i in the low nibble; params float32 [num_blocks, block_size, Hk, 2] = (scale, zero), x = q scale + zero.
 struct PagedKVQuant {
     const float * k_params = nullptr;

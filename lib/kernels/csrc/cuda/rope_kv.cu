@@ -106,7 +106,7 @@ __global__ void rope_fill_kv_kernel(const T * __restrict__ qkv, const T * __rest
 
 void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
                   const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
-                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuantView * kv_quant,
+                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
                   cudaStream_t stream) {
     const int64_t T = qkv.size(0);
     RopeArgs a{};

@@ -8,13 +8,6 @@
 
 namespace lmd::cuda {
 
-// The quantized cache's scale/zero tensors (float32 [num_blocks, block_size, Hk, 2]) and its bits
-// (8: uint8 rows of D codes; 4: D / 2 bytes, two codes each, the even d in the low nibble).
-struct KVQuantView {
-    TensorView k_params, v_params;
-    int bits = 0;
-};
-
 // NeoX rotary on the q and k heads of qkv[T, (Hq + 2 Hk) * D]: rotated q into q_out[T, Hq, D]
 // (contiguous), rotated k and plain v into the caches [num_blocks, block_size, Hk, D] at slots[T]
 // (int64), quantized as cpu::kv_quantize_row does when kv_quant is given. cos_sin [max_position, rot]
@@ -24,7 +17,7 @@ struct KVQuantView {
 // token whose slot is outside the cache (e.g. -1, padding) writes no k / v.
 void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
                   const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
-                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuantView * kv_quant,
+                  const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
                   cudaStream_t stream);
 
 }  // namespace lmd::cuda
