@@ -3,48 +3,17 @@
 #include <string>
 
 #include "bindings/cuda.h"
-#include "cpu/quant.h"
+#include "bindings/quant_args.h"
 #include "cuda/gemm_quant.h"
 
 namespace lmd {
 
 namespace {
 
-std::string dims(int64_t a, int64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
-
-void check_group_size(int64_t group_size) {
-    if (group_size < 32 || group_size % 32 != 0) {
-        fail("group_size = " + std::to_string(group_size) + ": must be a positive multiple of 32 (32, 64, 128)");
-    }
-}
-
-// x: float [M, K] with unit stride in K; y: [M, N] with x's dtype and unit stride in N.
-void check_x_y(const TensorView & x, const TensorView & y, int64_t N, int64_t group_size) {
-    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x,
-           "must be a float 2-D [M, K] tensor with unit stride in K");
-    expect(y.ndim == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == N && y.dtype == x.dtype, "y", y,
-           "must be [M, N] = " + dims(x.size(0), N) + " with x's dtype and unit stride in N");
-    expect(x.size(1) % group_size == 0, "x", x,
-           "K = " + std::to_string(x.size(1)) + " is not a multiple of group_size " + std::to_string(group_size));
-}
-
 // The kernels read a 32-wide chunk of a weight row with 16-byte loads.
 void check_aligned(const TensorView & qweight) {
     expect(reinterpret_cast<uintptr_t>(qweight.data) % 16 == 0, "qweight", qweight,
            "must start at a 16-byte aligned address");
-}
-
-void check_group_scales(const TensorView & v, const char * name, int64_t N, int64_t num_groups) {
-    expect(v.ndim == 2 && v.contiguous() && v.dtype == DType::f32 && v.size(0) == N && v.size(1) == num_groups, name,
-           v, "must be a contiguous float32 [N, K / group_size] = " + dims(N, num_groups) + " tensor");
-}
-
-bool read_bias(py::handle bias_h, TensorView & bias, int64_t N) {
-    if (bias_h.is_none()) return false;
-    bias = view_of_cuda(bias_h, "bias");
-    expect(bias.ndim == 1 && bias.size(0) == N && bias.contiguous() && bias.dtype == DType::f32, "bias", bias,
-           "must be a float32 [N] tensor, N = " + std::to_string(N));
-    return true;
 }
 
 template <bool kTensorCores>
@@ -53,21 +22,13 @@ void linear_w4a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
     const TensorView x = view_of_cuda(x_h, "x"), qweight = view_of_cuda(qweight_h, "qweight");
     const TensorView scales = view_of_cuda(scales_h, "scales"), mins = view_of_cuda(mins_h, "mins");
     const TensorView y = view_of_cuda(y_h, "y");
-    check_group_size(group_size);
-    expect(qweight.ndim == 2 && qweight.contiguous() && qweight.dtype == DType::u8, "qweight", qweight,
-           "must be a contiguous uint8 [N, K / 2] tensor (two 4-bit values a byte)");
-    const int64_t N = qweight.size(0);
-    check_x_y(x, y, N, group_size);
+    check_w4a16(x, qweight, scales, mins, y, group_size);
     if (kTensorCores) {
         expect(x.dtype == DType::f16 || x.dtype == DType::bf16, "x", x, "must be float16 or bfloat16 (tensor cores)");
     }
-    const int64_t K = x.size(1);
-    expect(qweight.size(1) * 2 == K, "qweight", qweight, "must be [N, K / 2] with x's K = " + std::to_string(K));
     check_aligned(qweight);
-    check_group_scales(scales, "scales", N, K / group_size);
-    check_group_scales(mins, "mins", N, K / group_size);
     TensorView bias;
-    const bool has_bias = read_bias(bias_h, bias, N);
+    const bool has_bias = read_bias(bias_h, bias, qweight.size(0), view_of_cuda);
     if (has_bias) expect_same_device({&x, &qweight, &scales, &mins, &bias, &y}, "linear_w4a16");
     else expect_same_device({&x, &qweight, &scales, &mins, &y}, "linear_w4a16");
     if (kTensorCores) {
@@ -81,17 +42,10 @@ void linear_w8a16(py::handle x_h, py::handle qweight_h, py::handle scales_h, py:
                   int64_t group_size, uintptr_t stream) {
     const TensorView x = view_of_cuda(x_h, "x"), qweight = view_of_cuda(qweight_h, "qweight");
     const TensorView scales = view_of_cuda(scales_h, "scales"), y = view_of_cuda(y_h, "y");
-    check_group_size(group_size);
-    expect(qweight.ndim == 2 && qweight.contiguous() && qweight.dtype == DType::i8, "qweight", qweight,
-           "must be a contiguous int8 [N, K] tensor");
-    const int64_t N = qweight.size(0);
-    check_x_y(x, y, N, group_size);
-    const int64_t K = x.size(1);
-    expect(qweight.size(1) == K, "qweight", qweight, "must be [N, K] with x's K = " + std::to_string(K));
+    check_w8a16(x, qweight, scales, y, group_size);
     check_aligned(qweight);
-    check_group_scales(scales, "scales", N, K / group_size);
     TensorView bias;
-    const bool has_bias = read_bias(bias_h, bias, N);
+    const bool has_bias = read_bias(bias_h, bias, qweight.size(0), view_of_cuda);
     if (has_bias) expect_same_device({&x, &qweight, &scales, &bias, &y}, "linear_w8a16");
     else expect_same_device({&x, &qweight, &scales, &y}, "linear_w8a16");
     cuda::linear_w8a16(x, qweight, scales, has_bias ? &bias : nullptr, y, group_size, stream_of(stream));
@@ -101,18 +55,9 @@ void linear_w8a8(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::
                  uintptr_t stream) {
     const TensorView x = view_of_cuda(x_h, "x"), qweight = view_of_cuda(qweight_h, "qweight");
     const TensorView scales = view_of_cuda(scales_h, "scales"), y = view_of_cuda(y_h, "y");
-    expect(qweight.ndim == 2 && qweight.contiguous() && qweight.dtype == DType::i8, "qweight", qweight,
-           "must be a contiguous int8 [N, K] tensor");
-    const int64_t N = qweight.size(0);
-    check_x_y(x, y, N, 1);
-    const int64_t K = x.size(1);
-    expect(qweight.size(1) == K, "qweight", qweight, "K must match x's " + std::to_string(K));
-    expect(K <= cpu::kW8A8MaxK, "x", x,
-           "K must be at most " + std::to_string(cpu::kW8A8MaxK) + " (the int32 dot products would overflow)");
-    expect(scales.ndim == 1 && scales.contiguous() && scales.dtype == DType::f32 && scales.size(0) == N, "scales",
-           scales, "must be a float32 [N] tensor, N = " + std::to_string(N));
+    check_w8a8(x, qweight, scales, y);
     TensorView bias;
-    const bool has_bias = read_bias(bias_h, bias, N);
+    const bool has_bias = read_bias(bias_h, bias, qweight.size(0), view_of_cuda);
     if (has_bias) expect_same_device({&x, &qweight, &scales, &bias, &y}, "linear_w8a8");
     else expect_same_device({&x, &qweight, &scales, &y}, "linear_w8a8");
     cuda::linear_w8a8(x, qweight, scales, has_bias ? &bias : nullptr, y, stream_of(stream));
@@ -120,13 +65,7 @@ void linear_w8a8(py::handle x_h, py::handle qweight_h, py::handle scales_h, py::
 
 void quantize_per_token(py::handle x_h, py::handle xq_h, py::handle sx_h, uintptr_t stream) {
     const TensorView x = view_of_cuda(x_h, "x"), xq = view_of_cuda(xq_h, "xq"), sx = view_of_cuda(sx_h, "sx");
-    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x,
-           "must be a float 2-D [M, K] tensor with unit stride in K");
-    expect(xq.ndim == 2 && xq.stride(1) == 1 && xq.dtype == DType::i8 && xq.size(0) == x.size(0) &&
-           xq.size(1) == x.size(1), "xq", xq, "must be an int8 " + dims(x.size(0), x.size(1)) +
-           " tensor with unit stride in K");
-    expect(sx.ndim == 1 && sx.contiguous() && sx.dtype == DType::f32 && sx.size(0) == x.size(0), "sx", sx,
-           "must be a float32 [M] tensor, M = " + std::to_string(x.size(0)));
+    check_quantize_per_token(x, xq, sx);
     expect_same_device({&x, &xq, &sx}, "quantize_per_token");
     cuda::quantize_per_token(x, xq, sx, stream_of(stream));
 }

@@ -6,8 +6,6 @@
 
 namespace lmd {
 
-using ViewReader = TensorView (*)(py::handle, const char *);
-
 // k_cache / v_cache [num_blocks, block_size, num_kv_heads, D] of `dtype` or, with k_params and
 // v_params given, a quantized cache (uint8 rows of D codes, 8 bits, or D / 2 bytes, 4 bits) whose
 // params `read` reads into kvq (view_of for host tensors, view_of_cuda for device ones). Raises

@@ -25,6 +25,8 @@ TensorView view_of_capsule(py::handle h, const char * name);  // host memory onl
 TensorView view_of(py::handle h, const char * name);  // a capsule or a HostTensor, host memory only
 // A capsule of a tensor in CUDA memory (the CUDA kernels' bindings).
 TensorView view_of_cuda(py::handle h, const char * name);
+// view_of or view_of_cuda, for checks that both the CPU and the CUDA bindings share.
+using ViewReader = TensorView (*)(py::handle, const char *);
 std::string shape_str(const TensorView & v);
 // Raises ValueError "name (dtype [shape]): what" unless ok.
 void expect(bool ok, const char * name, const TensorView & v, const std::string & what);
