@@ -13,7 +13,9 @@ Figures, each engine in its own subprocess (so peak RSS is its own):
 
 lmd runs TurboMind in float32 (``--lmd-formats float32``, the weights of the HF directory
 ``lmd convert`` makes from the shipped GGUF) and, where the model came from a GGUF with 4-bit
-matmuls, in W4A16 (``w4a16``: the Q4_0/Q4_1 blocks kept at 4 bits). llama.cpp runs the shipped
+matmuls, in W4A16 (``w4a16``: the Q4_0/Q4_1 blocks kept at 4 bits) and W4A8 (``w4a8``: the same with
+activations quantized to int8 per 32, ``TurbomindEngineConfig(int8_activations=True)``, the arithmetic
+of llama.cpp's Q4_1 x Q8_1 dot product). llama.cpp runs the shipped
 Q4_1 GGUF and an F16 GGUF written from it (same tensors and metadata; the quantized tensors
 dequantized to F16). Pairs compared: lmd float32 vs llama.cpp F16 (16-bit), and lmd float32 /
 W4A16 vs llama.cpp Q4_1 (4-bit). The batch-1 roofline of each: tokens/s <= read bandwidth /
@@ -52,9 +54,11 @@ LMD_FORMATS = {
     'float32': {'model_format': 'hf', 'dtype': 'float32'},   # 'hf': the float weights even of a GGUF conversion
     'float16': {'model_format': 'hf', 'dtype': 'float16'},   # 16-bit weights, activations and KV cache
     'w4a16': {'model_format': 'gguf', 'dtype': 'float32'},   # Q4_0/Q4_1 matmuls at 4 bits, float32 activations
+    # the same weights, activations quantized to int8 per 32 as llama.cpp's Q4_1 x Q8_1
+    'w4a8': {'model_format': 'gguf', 'dtype': 'float32', 'int8_activations': True},
 }
 # the llama.cpp file each lmd format is set against, by figure
-PAIRS = [('float16', 'F16'), ('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1')]
+PAIRS = [('float16', 'F16'), ('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1'), ('w4a8', 'Q4_1')]
 
 
 # ---- lmd worker ---------------------------------------------------------------------------------------
@@ -93,7 +97,7 @@ def lmd_worker(args, work: dict) -> dict:
     engine = AsyncEngine(args.model_dir, backend='turbomind', backend_config=cfg)
     tb = engine.engine
     num_w4 = getattr(tb.model, 'num_w4a16', 0)
-    if args.lmd_format == 'w4a16' and not num_w4:
+    if args.lmd_format in ('w4a16', 'w4a8') and not num_w4:
         engine.close()
         raise RuntimeError(f'{args.model_dir} has no 4-bit matmuls for W4A16 (it is not a conversion of a '
                            'GGUF with Q4_0/Q4_1 weights)')
@@ -455,7 +459,8 @@ def main(argv=None) -> int:
                                    'runs on lmd alone'),
         'note': 'lmd float32 is compared with llama.cpp F16 (16-bit figures: lmd reads twice the bytes) and Q4_1; '
                 'lmd w4a16 (the GGUF Q4_1 matmuls kept at 4 bits, Q8_0 lm_head at 8 bits, float32 activations) '
-                'with llama.cpp Q4_1. Same prompt token ids for every engine, greedy, EOS ignored, no prefix reuse.',
+                'with llama.cpp Q4_1; lmd w4a8 (the same, activations quantized to int8 per 32 as llama.cpp '
+                'does) with llama.cpp Q4_1. Same prompt token ids for every engine, greedy, EOS ignored, no prefix reuse.',
     })
     work = build_work(args, model_dir)
     report['workload'] = work.pop('workload')

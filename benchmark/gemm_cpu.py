@@ -3,7 +3,8 @@
 the panels of ``ops.pack_linear``) and ``torch.matmul``, for float32 and float16 weights
 (the activations in the weights' dtype, as in the model) and M = 1, 16, 64, 512 rows; with
 ``--dtypes w4a16``, ``ops.linear_w4a16`` against ``ops.linear_w4a16_packed`` (float32
-activations, groups of 32) and torch on the dequantized weights.
+activations, groups of 32), ``ops.linear_w4a8_packed`` (the same panels, activations quantized
+to int8 per 32: ``w4a8_packed``) and torch on the dequantized weights.
 
     python benchmark/gemm_cpu.py                      # float32 and float16, 2 threads
     python benchmark/gemm_cpu.py --dtypes w4a16
@@ -82,6 +83,7 @@ def w4a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
     return {
         'linear': lambda: ops.linear_w4a16(x_h, q_h, s_h, m_h, None, yo_h, W4A16_GROUP),
         'linear_packed': lambda: ops.linear_w4a16_packed(x_h, qp_h, sp_h, mp_h, None, yn_h),
+        'w4a8_packed': lambda: ops.linear_w4a8_packed(x_h, qp_h, sp_h, mp_h, None, yn_h),
         'torch': lambda: torch.matmul(x, w.T),
     }
 
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
             if all(n in rows for n in LAYER):  # one layer's matmuls, time-weighted
                 flop = {n: 2 * M * SHAPES[n][0] * SHAPES[n][1] for n in LAYER}
                 summary = {}
-                for k in ('linear', 'linear_packed', 'torch'):
+                for k in ('linear', 'linear_packed', 'w4a8_packed', 'torch'):
                     if all(k in rows[n] for n in LAYER):
                         seconds = sum(flop[n] / (rows[n][k] * 1e9) for n in LAYER)
                         summary[k] = round(sum(flop.values()) / seconds / 1e9, 1)

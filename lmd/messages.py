@@ -190,8 +190,19 @@ class PytorchEngineConfig(EngineConfig):
 
 @dataclass
 class TurbomindEngineConfig(EngineConfig):
-    """TurboMind's settings (the C++ engine, ``lmd.turbomind``): the shared ones."""
+    """TurboMind's settings (the C++ engine, ``lmd.turbomind``): the shared ones, and
+
+    ``int8_activations``: 4-bit matmuls (GGUF Q4_0 / Q4_1, AWQ) take their activations
+    quantized to int8 per 32 values, as llama.cpp multiplies Q4 by Q8: a faster CPU decode,
+    logits no longer equal to float arithmetic (lib/kernels/csrc/cpu/gemm.h, W4A8).
+    """
+    int8_activations: bool = False
     _devices: ClassVar[str] = "'cpu', 'cuda'"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.int8_activations, bool):
+            _fail('TurbomindEngineConfig', 'int8_activations', self.int8_activations, 'expected True or False')
 
     @staticmethod
     def _device_ok(device: str) -> bool:

@@ -181,9 +181,14 @@ def test_the_engine_runs_on_its_own_copy_of_the_kernels_pool():
     from lmd.turbomind import _turbomind
     _, config, weights = make_hf_model('llama')
     model = tm_model(config, weights)
-    mine, theirs = _turbomind.thread_pool_stats(), kernels._kernels.thread_pool_stats()
-    tm_chunked(model, random_tokens(40, seed=5), prefill_chunks=[32])
-    after = _turbomind.thread_pool_stats()
+    old = _turbomind.num_threads()
+    _turbomind.set_num_threads(2)  # one thread runs no region at all; an earlier test may have left one
+    try:
+        mine, theirs = _turbomind.thread_pool_stats(), kernels._kernels.thread_pool_stats()
+        tm_chunked(model, random_tokens(40, seed=5), prefill_chunks=[32])
+        after = _turbomind.thread_pool_stats()
+    finally:
+        _turbomind.set_num_threads(old)
     ran = lambda s: s['regions'] + s['inline_regions']  # noqa: E731
     assert ran(after) > ran(mine)
     assert ran(kernels._kernels.thread_pool_stats()) == ran(theirs)

@@ -48,6 +48,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     c.vocab_size = get_int(cfg, "vocab_size");
     c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
     c.qk_norm = cfg.contains("qk_norm") && cfg["qk_norm"].cast<bool>();
+    c.int8_activations = cfg.contains("int8_activations") && cfg["int8_activations"].cast<bool>();
     if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
     const DType dt = parse_dtype(dtype_name_);
     auto result = std::make_unique<PyLlamaModel>();

@@ -39,11 +39,13 @@ struct Buffer {
 
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 
-void apply(const TensorView & x, const LinearWeights & w, const TensorView & y) {
+void apply(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
     if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
         cpu::linear_w8a8(x, w.qweight, w.scales, opt(w.bias), y);
     } else if (w.quantized() && w.qweight.dtype == DType::i8) {
         cpu::linear_w8a16(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
+    } else if (w.quantized() && w.qweight.ndim == 3 && int8_activations) {
+        cpu::linear_w4a8_packed(x, w.qweight, w.scales, w.mins, opt(w.bias), y);
     } else if (w.quantized() && w.qweight.ndim == 3) {
         cpu::linear_w4a16_packed(x, w.qweight, w.scales, w.mins, opt(w.bias), y);
     } else if (w.quantized()) {
@@ -149,7 +151,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         } else {
             cpu::rms_norm(delta, w.input_norm, eps, x, &residual);
         }
-        apply(x, w.qkv, qkv);
+        apply(x, w.qkv, qkv, c.int8_activations);
         if (c.qk_norm) {  // per head, in place, token by token: [heads, D] rows inside qkv
             for (int64_t t = 0; t < T; ++t) {
                 auto * row = static_cast<uint8_t *>(qkv.data) + t * qkv_size * es;
@@ -161,11 +163,11 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         }
         cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
         cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant);
-        apply(attn2d, w.o, delta);
+        apply(attn2d, w.o, delta, c.int8_activations);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
-        apply(x, w.gate_up, gu);
+        apply(x, w.gate_up, gu, c.int8_activations);
         cpu::silu_and_mul(gu, act);
-        apply(act, w.down, delta);
+        apply(act, w.down, delta, c.int8_activations);
     }
     // the final norm and the head, only for the rows whose logits are wanted
     const int64_t R = in.num_logit_rows;
@@ -177,7 +179,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         for (int64_t i = 0; i < H; ++i) hidden.ptr<float>()[r * H + i] = load_f32(x.data, row * H + i, dtype_);
     }
     TensorView out = view(logits, DType::f32, {R, c.vocab_size});
-    apply(hidden, weights_.lm_head, out);
+    apply(hidden, weights_.lm_head, out, c.int8_activations);
 }
 
 }  // namespace turbomind

@@ -26,6 +26,9 @@ struct LlamaConfig {
     int64_t vocab_size = 0;
     float rms_norm_eps = 1e-6f;
     bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
+    // W4A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h):
+    // llama.cpp's Q4 x Q8 arithmetic, ~1.7x fewer instructions a weight, no longer float-exact
+    bool int8_activations = false;
 };
 
 // Views of the weights, fused as the kernels want them; the Python side keeps the

@@ -110,8 +110,10 @@ void unpack_w4a16(py::handle qp_h, py::handle sp_h, py::handle mp_h, py::handle 
     cpu::unpack_w4a16(qp, sp, mp, q, s, m);
 }
 
-void linear_w4a16_packed(py::handle x_h, py::handle qp_h, py::handle sp_h, py::handle mp_h, py::handle bias_h,
-                         py::handle y_h, bool reference) {
+// linear_w4a16_packed and linear_w4a8_packed: one set of checks, then fn.
+template <typename Fn>
+void w4_packed_call(py::handle x_h, py::handle qp_h, py::handle sp_h, py::handle mp_h, py::handle bias_h,
+                    py::handle y_h, bool reference, Fn && fn) {
     const TensorView x = view_of(x_h, "x"), y = view_of(y_h, "y");
     const TensorView qp = view_of(qp_h, "qpanels"), sp = view_of(sp_h, "spanels"), mp = view_of(mp_h, "mpanels");
     check_w4a16_panels(qp, sp, mp);
@@ -129,7 +131,17 @@ void linear_w4a16_packed(py::handle x_h, py::handle qp_h, py::handle sp_h, py::h
                bias, "must be a float32 [N] tensor");
     }
     py::gil_scoped_release release;
-    cpu::linear_w4a16_packed(x, qp, sp, mp, has_bias ? &bias : nullptr, y, reference);
+    fn(x, qp, sp, mp, has_bias ? &bias : nullptr, y, reference);
+}
+
+void linear_w4a16_packed(py::handle x, py::handle qp, py::handle sp, py::handle mp, py::handle bias, py::handle y,
+                         bool reference) {
+    w4_packed_call(x, qp, sp, mp, bias, y, reference, cpu::linear_w4a16_packed);
+}
+
+void linear_w4a8_packed(py::handle x, py::handle qp, py::handle sp, py::handle mp, py::handle bias, py::handle y,
+                        bool reference) {
+    w4_packed_call(x, qp, sp, mp, bias, y, reference, cpu::linear_w4a8_packed);
 }
 
 }  // namespace
@@ -151,6 +163,10 @@ void bind_gemm(py::module_ & ops) {
             py::arg("mpanels"), py::arg("bias"), py::arg("y"), py::arg("reference") = false,
             "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w W4A16 in panels: per group, scale * (x . q) + "
             "min * sum(x), accumulated in float32 (cpu/gemm.h).");
+    ops.def("linear_w4a8_packed", &linear_w4a8_packed, py::arg("x"), py::arg("qpanels"), py::arg("spanels"),
+            py::arg("mpanels"), py::arg("bias"), py::arg("y"), py::arg("reference") = false,
+            "linear_w4a16_packed with x quantized to int8 per 32 k (as llama.cpp's Q8_1): integer dots per block, "
+            "scaled in float32 (cpu/gemm.h, W4A8).");
 }
 
 }  // namespace lmd

@@ -79,6 +79,11 @@ void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
     parallel_ranges(threads, P, 1, fn);
 }
 
+// Threads for a pass over the rows of an [M, K] x: one below ~16k elements.
+int prepare_threads(int64_t M, int64_t K) {
+    return static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
+}
+
 // x as float32 rows for the AVX2 kernels: itself, or 16-bit activations widened once (not
 // once per panel) into `converted`. Returns the rows and sets ldx.
 const float * f32_rows(const TensorView & x, std::vector<float> & converted, int64_t & ldx) {
@@ -86,8 +91,7 @@ const float * f32_rows(const TensorView & x, std::vector<float> & converted, int
     ldx = x.stride(0);
     if (x.dtype == DType::f32) return x.ptr<float>();
     converted.resize(M * K);
-    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
-    parallel(threads, [&](int t, int nt) { avx2::widen_rows(x, M * t / nt, M * (t + 1) / nt, converted.data()); });
+    parallel(prepare_threads(M, K), [&](int t, int nt) { avx2::widen_rows(x, M * t / nt, M * (t + 1) / nt, converted.data()); });
     ldx = K;
     return converted.data();
 }
@@ -155,12 +159,37 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
     const float * xf = f32_rows(x, converted, ldx);
     const int64_t G = K / spanels.size(1);
     std::vector<float> xp(M * K), xsum(M * (K / G));
-    const int threads = static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
-    parallel(threads, [&](int t, int nt) {
+    parallel(prepare_threads(M, K), [&](int t, int nt) {
         avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
     });
     split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
         avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
+    });
+}
+
+void linear_w4a8_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                        const TensorView & mpanels, const TensorView * bias, const TensorView & y, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+    if (M == 0 || N == 0) return;
+    if (reference || !use_avx2()) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+            ref::linear_w4a8_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
+                                         std::min(N, p1 * kPanelWidth));
+        });
+        return;
+    }
+    std::vector<float> converted;
+    int64_t ldx = 0;
+    const float * xf = f32_rows(x, converted, ldx);
+    const int64_t G = K / spanels.size(1);
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> dx(M * (K / 32)), xsum(M * (K / G));
+    parallel(prepare_threads(M, K), [&](int t, int nt) {
+        avx2::w4a8_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xq.data(), dx.data(), xsum.data());
+    });
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+        avx2::linear_w4a8_packed_panels(xq.data(), dx.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0,
+                                        p1);
     });
 }
 

@@ -34,6 +34,18 @@
 //   U[m, n]    = fma(mins[n, g], X[m, g], ...) over the groups in increasing g, from 0
 //   y[m, n]    = T + U (+ bias[n]), rounded once to y's dtype.
 // The same for any M and thread count; the AVX2 kernel equals the reference bit for bit.
+//
+// W4A8, on the same panels: x quantized to int8 per block of 32 k as llama.cpp's Q8_0 / Q8_1
+// (the Q4_1 x Q8_1 product of its CPU backend), the 4-bit weights multiplied by it in
+// integers. Per row m and block b of 32 k:
+//   dx[m, b]   = max |x[m, k]| over the block / 127 (float32); id = 1 / dx (0 when dx is 0)
+//   xq[m, k]   = round-to-nearest-even(x[m, k] * id), in -127..127
+//   I[m, n, b] = the int32 sum of q[n, k] xq[m, k] over the block (exact)
+//   D[m, n, g] = fma(float(I[m, n, b]), dx[m, b], ...) over the group's blocks in increasing b, from 0
+//   X[m, g]    = fma(float(S[m, b]), dx[m, b], ...) likewise, S the int32 sum of xq over the block
+// and T, U and y as above. So y = the float product of w and x' = xq dx (Q8_1's sum, as llama.cpp
+// takes it: the exact sum of x would leave the mins' offset uncancelled and double the error),
+// |y - x w| <= sum over k of |w[n, k]| dx / 2.
 #pragma once
 
 #include "core/tensor.h"
@@ -70,12 +82,21 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
                          const TensorView & mpanels, const TensorView * bias, const TensorView & y,
                          bool reference = false);
 
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w W4A16 in panels and x quantized per 32 k
+// (W4A8 above); arguments as for linear_w4a16_packed.
+void linear_w4a8_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                        const TensorView & mpanels, const TensorView * bias, const TensorView & y,
+                        bool reference = false);
+
 namespace ref {
 void linear_packed_rows(const TensorView & x, const TensorView & packed, const TensorView * bias,
                         const TensorView & y, int64_t n0, int64_t n1);
 void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
                               const TensorView & mpanels, const TensorView * bias, const TensorView & y, int64_t n0,
                               int64_t n1);
+void linear_w4a8_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                             const TensorView & mpanels, const TensorView * bias, const TensorView & y, int64_t n0,
+                             int64_t n1);
 }  // namespace ref
 
 namespace avx2 {
@@ -92,6 +113,14 @@ void w4a16_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int6
 void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M, const TensorView & qpanels,
                                 const TensorView & spanels, const TensorView & mpanels, const TensorView * bias,
                                 const TensorView & y, int64_t p0, int64_t p1);
+// W4A8: rows [m0, m1) of x (float32, row stride ldx) as xq [M, K] (each 8 k stored in the
+// order 0 2 4 6 1 3 5 7: gemm_w4a8_avx2.cc), dx [M, K / 32] and xsum [M, K / G]; then the
+// panels [p0, p1) from them.
+void w4a8_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int64_t m0, int64_t m1, int8_t * xq,
+                       float * dx, float * xsum);
+void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float * xsum, int64_t M,
+                               const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
+                               const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
 }  // namespace avx2
 
 }  // namespace lmd::cpu

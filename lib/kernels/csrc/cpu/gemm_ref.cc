@@ -1,11 +1,23 @@
 // Scalar references of the packed matmuls: the plainest loops that define their results
 // (one std::fma a k, in increasing k; see gemm.h).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "cpu/gemm.h"
 
 namespace lmd::cpu::ref {
+
+namespace {
+
+// X of gemm.h: the sum of x[m, k0..k1) in eight lanes, folded as hsum does.
+float group_sum(const TensorView & x, int64_t m, int64_t k0, int64_t k1) {
+    float lane[8] = {};
+    for (int64_t k = k0; k < k1; ++k) lane[k % 8] += load_f32(x.data, m * x.stride(0) + k, x.dtype);
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
+}  // namespace
 
 void linear_packed_rows(const TensorView & x, const TensorView & packed, const TensorView * bias,
                         const TensorView & y, int64_t n0, int64_t n1) {
@@ -35,11 +47,7 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
             const int j = static_cast<int>(k % 8);
             xp[k] = load_f32(x.data, m * x.stride(0) + k, x.dtype) * (j < 7 ? std::ldexp(1.f, -4 * j) : 1.f);
         }
-        for (int64_t g = 0; g < num_groups; ++g) {
-            float lane[8] = {};
-            for (int64_t k = g * G; k < (g + 1) * G; ++k) lane[k % 8] += load_f32(x.data, m * x.stride(0) + k, x.dtype);
-            xsum[g] = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-        }
+        for (int64_t g = 0; g < num_groups; ++g) xsum[g] = group_sum(x, m, g * G, (g + 1) * G);
         for (int64_t n = n0; n < n1; ++n) {
             const int64_t p = n / kW4A16PanelWidth, col = n % kW4A16PanelWidth;
             float t = 0.f, u = 0.f;
@@ -50,6 +58,52 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
                     const int j = static_cast<int>(k % 8);
                     const uint32_t qp = j < 7 ? word & (0xFu << (4 * j)) : word >> 28;
                     d = std::fma(xp[k], static_cast<float>(qp), d);
+                }
+                const int64_t at = (p * num_groups + g) * kW4A16PanelWidth + col;
+                t = std::fma(load_f32(spanels.data, at, spanels.dtype), d, t);
+                u = std::fma(load_f32(mpanels.data, at, mpanels.dtype), xsum[g], u);
+            }
+            float v = t + u;
+            if (bias) v += bias->ptr<float>()[n];
+            store_f32(y.data, m * y.stride(0) + n, y.dtype, v);
+        }
+    }
+}
+
+void linear_w4a8_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                             const TensorView & mpanels, const TensorView * bias, const TensorView & y, int64_t n0,
+                             int64_t n1) {
+    const int64_t M = x.size(0), K = x.size(1), num_groups = spanels.size(1), G = K / num_groups;
+    const uint32_t * q = qpanels.ptr<uint32_t>();
+    std::vector<int32_t> xq(K);
+    std::vector<float> dx(K / 32), xsum(num_groups);
+    for (int64_t m = 0; m < M; ++m) {
+        auto xk = [&](int64_t k) { return load_f32(x.data, m * x.stride(0) + k, x.dtype); };
+        for (int64_t b = 0; b < K / 32; ++b) {
+            float amax = 0.f;
+            for (int64_t k = 32 * b; k < 32 * b + 32; ++k) amax = std::max(amax, std::fabs(xk(k)));
+            dx[b] = amax / 127.f;
+            const float id = dx[b] != 0.f ? 1.f / dx[b] : 0.f;
+            int32_t sum = 0;
+            for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+                xq[k] = std::clamp(static_cast<int32_t>(std::nearbyint(xk(k) * id)), -127, 127);
+                sum += xq[k];
+            }
+            const int64_t g = 32 * b / G;
+            xsum[g] = std::fma(static_cast<float>(sum), dx[b], 32 * b % G ? xsum[g] : 0.f);
+        }
+        for (int64_t n = n0; n < n1; ++n) {
+            const int64_t p = n / kW4A16PanelWidth, col = n % kW4A16PanelWidth;
+            float t = 0.f, u = 0.f;
+            for (int64_t g = 0; g < num_groups; ++g) {
+                float d = 0.f;
+                for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
+                    int32_t dot = 0;
+                    for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+                        const uint32_t word = q[(p * (K / 8) + k / 8) * kW4A16PanelWidth + col];
+                        dot += static_cast<int32_t>((word >> (4 * (k % 8))) & 0xF) * xq[k];
+                    }
+                    d = std::fma(static_cast<float>(dot), dx[b], d);
                 }
                 const int64_t at = (p * num_groups + g) * kW4A16PanelWidth + col;
                 t = std::fma(load_f32(spanels.data, at, spanels.dtype), d, t);

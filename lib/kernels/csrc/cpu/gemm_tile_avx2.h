@@ -94,6 +94,16 @@ __attribute__((always_inline)) inline void tile_steps(const float * x, int64_t l
     acc_io = acc;
 }
 
+// X of gemm.h for one row: the sums of x over each group of G k, in eight lanes (lane l adds
+// k = l mod 8 in increasing k), folded by hsum.
+inline void group_sums(const float * row, int64_t K, int64_t G, float * xsum) {
+    for (int64_t g = 0; g < K / G; ++g) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(row + k));
+        xsum[g] = hsum(acc);
+    }
+}
+
 // y[m, c] = acc (+ bias[c]) for the `cols` valid columns of a tile (cols <= 16 NP).
 template <int MR, int NP, typename BT, typename YT>
 inline void tile_store(const Acc<MR, NP> & acc, const BT * bias, int64_t cols, YT * y, int64_t ldy) {

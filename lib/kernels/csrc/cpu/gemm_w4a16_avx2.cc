@@ -247,11 +247,7 @@ void w4a16_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int6
     for (int64_t m = m0; m < m1; ++m) {
         const float * row = x + m * ldx;
         for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xp + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(row + k), scale));
-        for (int64_t g = 0; g < K / G; ++g) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(row + k));
-            xsum[m * (K / G) + g] = hsum(acc);
-        }
+        group_sums(row, K, G, xsum + m * (K / G));
     }
 }
 
