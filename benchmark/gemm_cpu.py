@@ -4,7 +4,9 @@ the panels of ``ops.pack_linear``) and ``torch.matmul``, for float32 and float16
 (the activations in the weights' dtype, as in the model) and M = 1, 16, 64, 512 rows; with
 ``--dtypes w4a16``, ``ops.linear_w4a16`` against ``ops.linear_w4a16_packed`` (float32
 activations, groups of 32), ``ops.linear_w4a8_packed`` (the same panels, activations quantized
-to int8 per 32: ``w4a8_packed``) and torch on the dequantized weights.
+to int8 per 32: ``w4a8_packed``) and torch on the dequantized weights; with ``--dtypes w8a16``
+(GGUF Q8_0's layout, SmolLM2's lm_head), ``ops.linear_w8a16`` against ``ops.linear_w8a8_group``
+(activations int8 per 32: ``w8a8_group``).
 
     python benchmark/gemm_cpu.py                      # float32 and float16, 2 threads
     python benchmark/gemm_cpu.py --dtypes w4a16
@@ -31,7 +33,8 @@ from lmd.kernels import ops
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152
 SHAPES = {'qkv': (960, 576), 'o': (576, 576), 'gate_up': (3072, 576), 'down': (576, 1536), 'lm_head': (49152, 576)}
 LAYER = ('qkv', 'o', 'gate_up', 'down')
-DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16, 'w4a16': None}
+DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16, 'w4a16': None,
+          'w8a16': None}
 W4A16_GROUP = 32
 
 
@@ -88,17 +91,33 @@ def w4a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
     }
 
 
-def measure(name: str, M: int, dtype: torch.dtype | None, args) -> dict:
+def w8a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, K // W4A16_GROUP, generator=g) * 0.01
+    x_h, q_h, s_h = dl(x), ops.HostTensor(dl(q)), ops.HostTensor(dl(s))
+    yo_h, yn_h = dl(torch.empty(M, N)), dl(torch.empty(M, N))
+    w = q.float() * s.repeat_interleave(W4A16_GROUP, 1)
+    return {
+        'linear': lambda: ops.linear_w8a16(x_h, q_h, s_h, None, yo_h, W4A16_GROUP),
+        'w8a8_group': lambda: ops.linear_w8a8_group(x_h, q_h, s_h, None, yn_h, W4A16_GROUP),
+        'torch': lambda: torch.matmul(x, w.T),
+    }
+
+
+def measure(name: str, M: int, dname: str, args) -> dict:
     N, K = SHAPES[name]
     g = torch.Generator().manual_seed(0)
-    kernels = float_kernels(M, N, K, dtype, g) if dtype is not None else w4a16_kernels(M, N, K, g)
+    make = {'w4a16': w4a16_kernels, 'w8a16': w8a16_kernels}.get(dname)
+    kernels = make(M, N, K, g) if make else float_kernels(M, N, K, DTYPES[dname], g)
     flop = 2 * M * N * K
     out = {'N': N, 'K': K}
     for k, fn in kernels.items():
         if k == 'torch' and args.no_torch:
             continue
         out[k] = round(flop / best_seconds(fn, args.repeats, args.min_time) / 1e9, 1)
-    out['packed/linear'] = round(out['linear_packed'] / out['linear'], 2)
+    if 'linear_packed' in out:
+        out['packed/linear'] = round(out['linear_packed'] / out['linear'], 2)
     return out
 
 
@@ -122,13 +141,13 @@ def main(argv=None) -> int:
             for name in args.shapes.split(','):
                 if name == 'lm_head' and M > 64:
                     continue  # prefill wants the logits of the last row only
-                rows[name] = measure(name, M, dtype, args)
+                rows[name] = measure(name, M, dname, args)
                 print(f'{dname} M={M} {name}: {rows[name]}', file=sys.stderr)
             result['gflops'][f'{dname} M={M}'] = rows
             if all(n in rows for n in LAYER):  # one layer's matmuls, time-weighted
                 flop = {n: 2 * M * SHAPES[n][0] * SHAPES[n][1] for n in LAYER}
                 summary = {}
-                for k in ('linear', 'linear_packed', 'w4a8_packed', 'torch'):
+                for k in ('linear', 'linear_packed', 'w4a8_packed', 'w8a8_group', 'torch'):
                     if all(k in rows[n] for n in LAYER):
                         seconds = sum(flop[n] / (rows[n][k] * 1e9) for n in LAYER)
                         summary[k] = round(sum(flop.values()) / seconds / 1e9, 1)

@@ -192,9 +192,10 @@ class PytorchEngineConfig(EngineConfig):
 class TurbomindEngineConfig(EngineConfig):
     """TurboMind's settings (the C++ engine, ``lmd.turbomind``): the shared ones, and
 
-    ``int8_activations``: 4-bit matmuls (GGUF Q4_0 / Q4_1, AWQ) take their activations
-    quantized to int8 per 32 values, as llama.cpp multiplies Q4 by Q8: a faster CPU decode,
-    logits no longer equal to float arithmetic (lib/kernels/csrc/cpu/gemm.h, W4A8).
+    ``int8_activations``: the group-quantized matmuls (4-bit: GGUF Q4_0 / Q4_1, AWQ; 8-bit: GGUF
+    Q8_0) take their activations quantized to int8 per 32 values, as llama.cpp multiplies Q4 and
+    Q8_0 by Q8: a faster CPU decode, logits no longer equal to float arithmetic
+    (lib/kernels/csrc/cpu/gemm.h W4A8, quant.h W8A8 by groups).
     """
     int8_activations: bool = False
     _devices: ClassVar[str] = "'cpu', 'cuda'"

@@ -67,9 +67,10 @@ def test_engine_takes_the_flag(tmp_path):
 
 
 def test_smollm2_gguf_with_int8_activations_predicts_as_hf(smollm2_dir):
-    """The shipped Q4_1 GGUF with int8 activations: logits within 4% of HF float32's range and
-    the same next token at >= 90% of 64 teacher-forced positions (measured: 2.0%, 94%; over 30
-    layers a rounding step that float noise flips moves the rest, so no exact reference here)."""
+    """The shipped GGUF (Q4_1 layers, Q8_0 lm_head) with int8 activations: logits within 4% of HF
+    float32's range and the same next token at >= 85% of 64 teacher-forced positions (measured:
+    2.6%, 92%; over 30 layers a rounding step that float noise flips moves the rest, so no exact
+    reference here)."""
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     toks = [t + 100 for t in tokens(64, seed=4)]
@@ -78,4 +79,5 @@ def test_smollm2_gguf_with_int8_activations_predicts_as_hf(smollm2_dir):
     got = tm_chunked(model, toks, prefill_chunks=[48])
     want = hf_logits(hf, toks)
     assert (got - want).abs().max().item() < 0.04 * (want.max() - want.min()).item()  # 0.020 measured
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
+    assert 'lm_head.qweight' in model.tensors  # the Q8_0 head takes int8 activations too

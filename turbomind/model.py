@@ -76,7 +76,7 @@ class TurbomindModel:
         """HF-named ``weights`` (and ``quantized`` ones, see ``fuse_weights``), fused here.
         ``quant_policy``: 0 keeps the KV cache in ``dtype``; 8 / 4 quantizes it to int8 / int4
         per token and head (asymmetric, a float32 scale and zero each). ``int8_activations``:
-        the W4A16 matmuls quantize x to int8 per 32 k (``TurbomindEngineConfig``)."""
+        the W4A16 and W8A16 matmuls quantize x to int8 per 32 k (``TurbomindEngineConfig``)."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self._build(config, fuse_weights(config, weights, dtype, quantized), dtype, num_blocks, block_size,

@@ -42,6 +42,8 @@ const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 void apply(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
     if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
         cpu::linear_w8a8(x, w.qweight, w.scales, opt(w.bias), y);
+    } else if (w.quantized() && w.qweight.dtype == DType::i8 && int8_activations) {
+        cpu::linear_w8a8_group(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
     } else if (w.quantized() && w.qweight.dtype == DType::i8) {
         cpu::linear_w8a16(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
     } else if (w.quantized() && w.qweight.ndim == 3 && int8_activations) {

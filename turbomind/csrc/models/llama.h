@@ -26,8 +26,8 @@ struct LlamaConfig {
     int64_t vocab_size = 0;
     float rms_norm_eps = 1e-6f;
     bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
-    // W4A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h):
-    // llama.cpp's Q4 x Q8 arithmetic, ~1.7x fewer instructions a weight, no longer float-exact
+    // W4A16 and W8A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h,
+    // W8A8 by groups of quant.h): llama.cpp's Q4 / Q8_0 x Q8 arithmetic, no longer float-exact
     bool int8_activations = false;
 };
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cpu/gemm.h"
+#include "cpu/quant.h"
 
 namespace lmd::cpu::ref {
 
@@ -80,15 +81,11 @@ void linear_w4a8_packed_rows(const TensorView & x, const TensorView & qpanels, c
     for (int64_t m = 0; m < M; ++m) {
         auto xk = [&](int64_t k) { return load_f32(x.data, m * x.stride(0) + k, x.dtype); };
         for (int64_t b = 0; b < K / 32; ++b) {
-            float amax = 0.f;
-            for (int64_t k = 32 * b; k < 32 * b + 32; ++k) amax = std::max(amax, std::fabs(xk(k)));
-            dx[b] = amax / 127.f;
-            const float id = dx[b] != 0.f ? 1.f / dx[b] : 0.f;
+            float xb[32];
+            for (int j = 0; j < 32; ++j) xb[j] = xk(32 * b + j);
+            dx[b] = quantize_block32(xb, &xq[32 * b]);
             int32_t sum = 0;
-            for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
-                xq[k] = std::clamp(static_cast<int32_t>(std::nearbyint(xk(k) * id)), -127, 127);
-                sum += xq[k];
-            }
+            for (int64_t k = 32 * b; k < 32 * b + 32; ++k) sum += xq[k];
             const int64_t g = 32 * b / G;
             xsum[g] = std::fma(static_cast<float>(sum), dx[b], 32 * b % G ? xsum[g] : 0.f);
         }

@@ -179,29 +179,19 @@ void panels_typed(const int8_t * xq, const float * dx, const float * xsum, int64
 
 void w4a8_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int64_t m0, int64_t m1, int8_t * xq,
                        float * dx, float * xsum) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    alignas(32) int32_t r[32];
+    int32_t r[32];
     for (int64_t m = m0; m < m1; ++m) {
         const float * row = x + m * ldx;
         for (int64_t b = 0; b < K / 32; ++b) {
-            const float * xb = row + 32 * b;
-            __m256 amax = _mm256_setzero_ps();
-            for (int j = 0; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, amax);
-            const float d = *std::max_element(lanes, lanes + 8) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            const float d = quantize_block32(row + 32 * b, r);
             dx[m * (K / 32) + b] = d;
-            for (int j = 0; j < 4; ++j) {
-                const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), _mm256_set1_ps(id)));
-                _mm256_store_si256(reinterpret_cast<__m256i *>(r + 8 * j), v);
-            }
             int8_t * out = xq + m * K + 32 * b;
             int32_t sum = 0;
             for (int c = 0; c < 4; ++c) {
                 for (int j = 0; j < 4; ++j) {
-                    out[8 * c + j] = static_cast<int8_t>(std::clamp(r[8 * c + 2 * j], -127, 127));
-                    out[8 * c + 4 + j] = static_cast<int8_t>(std::clamp(r[8 * c + 2 * j + 1], -127, 127));
-                    sum += out[8 * c + j] + out[8 * c + 4 + j];
+                    out[8 * c + j] = static_cast<int8_t>(r[8 * c + 2 * j]);
+                    out[8 * c + 4 + j] = static_cast<int8_t>(r[8 * c + 2 * j + 1]);
+                    sum += r[8 * c + 2 * j] + r[8 * c + 2 * j + 1];
                 }
             }
             float & xs = xsum[m * (K / G) + 32 * b / G];

@@ -51,13 +51,6 @@ inline void linear_tile_m(int mr, const float * x, int64_t ldx, const WT * w, in
     }
 }
 
-// Ask for [p, p + bytes) in L1 ahead of use: the hardware prefetcher alone lets the
-// next weight rows arrive late when each row takes ~1 us of arithmetic.
-inline void prefetch_range(const void * p, int64_t bytes) {
-    const char * c = static_cast<const char *>(p);
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
 template <typename WT, typename YT>
 void linear_rows_t(const float * x, int64_t ldx, int64_t M, int64_t K, const WT * w, const WT * bias,
                    YT * y, int64_t ldy, int64_t n0, int64_t n1) {

@@ -24,6 +24,13 @@
 // in float32). Per group the kernels compute scale * dot(q, x) in float32; row m of y is
 // bitwise the same whatever M and the thread count.
 //
+// W8A8 by groups, on the W8A16 layout (llama.cpp's Q8_0 x Q8_0): x quantized per block of 32 k
+// as in gemm.h's W4A8 (dx[m, b], xq[m, k]); per row m, column n and block b, eight lanes l hold
+// I[l] = the int32 sum of q[n, k] xq[m, k] over k = 32 b + 4 l .. 32 b + 4 l + 3 (exact), and
+//   L[l] = fma(float(I[l]), scales[n, k / G] * dx[m, b], ...) over the blocks in increasing b, from 0
+//   y[m, n] = ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) (+ bias[n]), rounded once to y's dtype.
+// The AVX2 kernel equals the reference bit for bit, for any M and thread count.
+//
 // W8A8: w int8 [N, K] with per-output-channel scales sw[N]; x is quantized per row (token)
 // to int8, xq = round(x * (127 / absmax(x[m]))) to nearest even, so |xq| <= 127, with
 // sx[m] = absmax(x[m]) / 127 (0 for a zero row); y[m, n] = float(int32 dot(xq[m], w[n]))
@@ -47,6 +54,11 @@ void linear_w4a16(const TensorView & x, const TensorView & qweight, const Tensor
 void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
                   const TensorView * bias, const TensorView & y, int64_t group_size, bool reference = false);
 
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w in the W8A16 layout and x quantized to int8
+// per 32 k (W8A8 by groups, above); arguments as for linear_w8a16.
+void linear_w8a8_group(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                       const TensorView * bias, const TensorView & y, int64_t group_size, bool reference = false);
+
 // xq[M, K] int8 and sx[M] float32 from x[M, K] (f32, bf16, f16; unit stride in K): the
 // per-token activation quantizer of W8A8.
 void quantize_per_token(const TensorView & x, const TensorView & xq, const TensorView & sx, bool reference = false);
@@ -65,6 +77,11 @@ void linear_w4a16_rows(const TensorView & x, const TensorView & qweight, const T
 void linear_w8a16_rows(const TensorView & x, const TensorView & qweight, const TensorView & scales,
                        const TensorView * bias, const TensorView & y, int64_t group_size, int64_t n0, int64_t n1);
 float quantize_row(const TensorView & x, int64_t m, int8_t * xq);  // row m into xq[K]; returns sx[m]
+// x[0..32) as a Q8 block: returns d = max |x| / 127 and sets q[j] = round-half-even(x[j] * (1 / d))
+// in -127..127 (0 when d = 0); the AVX2 twin is avx2::quantize_block32 (simd_avx2.h)
+float quantize_block32(const float * x, int32_t * q);
+void linear_w8a8_group_rows(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                            const TensorView * bias, const TensorView & y, int64_t group_size, int64_t n0, int64_t n1);
 // xq: [M, K] int8 rows, sx: [M]
 void linear_w8a8_rows(const int8_t * xq, const float * sx, int64_t M, int64_t K, const TensorView & w,
                       const TensorView & sw, const TensorView * bias, const TensorView & y, int64_t n0, int64_t n1);
@@ -92,6 +109,12 @@ void linear_w8a16_rows(const float * xf, int64_t ldx, int64_t M, int64_t K, cons
                        const TensorView & scales, const TensorView * bias, const TensorView & y, int64_t group_size,
                        int64_t n0, int64_t n1);
 float quantize_row(const TensorView & x, int64_t m, int8_t * xq);  // row m into xq[K]; returns sx[m]
+// W8A8 by groups: rows [m0, m1) of x (float32, row stride ldx) as xq [M, K] and dx [M, K / 32],
+// then the columns [n0, n1) from them (quant_a8_avx2.cc).
+void q8_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, int8_t * xq, float * dx);
+void linear_w8a8_group_rows(const int8_t * xq, const float * dx, int64_t M, int64_t K, const TensorView & qweight,
+                            const TensorView & scales, const TensorView * bias, const TensorView & y,
+                            int64_t group_size, int64_t n0, int64_t n1);
 // xw: [M, K] int16 (xq widened once per call), sx: [M]
 void linear_w8a8_rows(const int16_t * xw, const float * sx, int64_t M, int64_t K, const TensorView & w,
                       const TensorView & sw, const TensorView * bias, const TensorView & y, int64_t n0, int64_t n1);

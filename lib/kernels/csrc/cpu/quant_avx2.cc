@@ -28,11 +28,6 @@ inline float dot(const float * a, const float * b, int64_t n) {
     return s;
 }
 
-inline void prefetch_range(const void * p, int64_t bytes) {
-    const char * c = static_cast<const char *>(p);
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
 // ---- W4A16 -------------------------------------------------------------------------------------
 
 template <typename XT>

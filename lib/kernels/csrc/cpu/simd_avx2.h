@@ -47,6 +47,32 @@ inline void store8(f16 * p, __m256 v) {
     _mm_storeu_si128(reinterpret_cast<__m128i *>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
+// x[0..32) quantized as llama.cpp's Q8_0 / Q8_1 blocks: d = max |x| / 127, r = round-to-nearest-
+// even(x / d) as x * (1 / d), clamped to -127..127 (all 0 when d is 0). Returns d. The scalar
+// twin is ref::quantize_block32 (quant.h); both give the same d and r.
+inline float quantize_block32(const float * x, int32_t * r) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(r + 8 * j), _mm256_min_epi32(_mm256_max_epi32(v, lo), hi));
+    }
+    return d;
+}
+
+// Ask for [p, p + bytes) in L1 ahead of use, a line at a time: the hardware prefetcher alone
+// lets the next weight rows of a GEMV arrive late when each row takes ~1 us of arithmetic.
+inline void prefetch_range(const void * p, int64_t bytes) {
+    const char * c = static_cast<const char *>(p);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 constexpr int kMaxHeadDim = 256;  // the attention kernels keep a head in registers up to this
 
 inline float hsum(__m256 v) {

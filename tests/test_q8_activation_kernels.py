@@ -1,9 +1,10 @@
-"""W4A8 on the W4A16 panels (lmd.kernels.ops.linear_w4a8_packed; lib/kernels/csrc/cpu/gemm.h): x
-quantized to int8 per 32 k as llama.cpp's Q8_1, integer dots per block. The AVX2 kernel against
-its scalar C++ reference bit for bit over tile, block and group remainders; the reference against
-the definition computed in torch (float64 sums of the exact integer dots); the error against the
-float product within the activations' rounding bound; rows independent of the batch and the
-thread count."""
+"""The matmuls with activations quantized to int8 per 32 k, as llama.cpp's Q8_0 / Q8_1 blocks:
+W4A8 on the W4A16 panels (ops.linear_w4a8_packed; lib/kernels/csrc/cpu/gemm.h) and W8A8 by
+groups on the W8A16 layout (ops.linear_w8a8_group; lib/kernels/csrc/cpu/quant.h). Each AVX2 kernel
+against its scalar C++ reference bit for bit over tile, block and group remainders; the reference
+against the definition computed in torch (float64 sums of the exact integer dots); the error
+against the float product within the activations' rounding bound; rows independent of the batch
+and the thread count."""
 from __future__ import annotations
 
 import pytest
@@ -101,3 +102,69 @@ def test_w4a8_bad_arguments_are_the_w4a16_errors():
     with pytest.raises(ValueError, match='float32 \\[N\\]'):
         ops.linear_w4a8_packed(dl(rand(3, 64)), dl(qp), dl(sp), dl(mp), dl(torch.zeros(20, dtype=torch.float16)),
                                dl(torch.empty(3, 20)))
+
+
+# -- W8A8 by groups ---------------------------------------------------------------------------------
+
+def rand_w8(n, k, group_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(n, k // group_size, generator=g) * 0.01 + 1e-4
+
+
+def w8a8_group(x, q, s, bias, n, group_size, reference=False):
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    ops.linear_w8a8_group(dl(x), *(p if isinstance(p, ops.HostTensor) else dl(p) for p in (q, s)),
+                          None if bias is None else dl(bias), dl(y), group_size, reference=reference)
+    return y
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (33, 576, 32), (130, 1536, 64), (9, 384, 128)])
+@pytest.mark.parametrize('M', [1, 2, 3, 5, 9, 70])
+def test_w8a8_group_equals_reference(M, N, K, G, dtype):
+    q, s = rand_w8(N, K, G, seed=M + N)
+    x, b = rand(M, K, dtype=dtype, seed=7), rand(N, seed=8)
+    x[0, 32:64] = 0  # a zero block past the first (K = 32 keeps its one block)
+    for bias in (None, b):
+        got, ref = w8a8_group(x, q, s, bias, N, G), w8a8_group(x, q, s, bias, N, G, reference=True)
+        assert torch.equal(got, ref), (got.double() - ref.double()).abs().max()
+        xq, dx = quantize_q8(x.float())
+        dots = torch.einsum('mbk,nbk->mnb', xq.view(M, -1, 32), q.long().view(N, -1, 32))
+        want = (dots.double() * dx.double()[:, None, :] * s.double().repeat_interleave(G // 32, 1)[None]).sum(-1)
+        if bias is not None:
+            want = want + bias.double()
+        tol = dict(atol=2e-6 * K ** 0.5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(ref.double(), want, **tol)
+
+
+def test_w8a8_group_rows_do_not_depend_on_the_batch_or_the_threads():
+    N, K, G = 301, 576, 32
+    q, s = (ops.HostTensor(dl(t)) for t in rand_w8(N, K, G, seed=9))
+    x, b = rand(70, K, seed=10), rand(N, seed=11)
+    full = with_threads(2, lambda: w8a8_group(x, q, s, b, N, G))
+    for threads in (1, 3):
+        for M in (1, 2, 3, 69, 70):
+            assert torch.equal(with_threads(threads, lambda: w8a8_group(x[:M], q, s, b, N, G)), full[:M]), (threads, M)
+        assert torch.equal(with_threads(threads, lambda: w8a8_group(x[33:34], q, s, b, N, G))[0], full[33])
+
+
+def test_w8a8_group_error_is_within_the_activation_rounding_bound():
+    N, K, G = 100, 576, 32
+    q, s = rand_w8(N, K, G, seed=12)
+    x = rand(4, K, seed=13)
+    w = (q.double() * s.double().repeat_interleave(G, 1))
+    y = w8a8_group(x, q, s, None, N, G).double()
+    _, dx = quantize_q8(x)
+    bound = (dx.double().repeat_interleave(32, dim=1) / 2) @ w.abs().T
+    err = (y - x.double() @ w.T).abs()
+    assert (err <= bound + 1e-5).all() and err.max() < 0.25 * bound.max()
+
+
+def test_w8a8_group_bad_arguments_are_the_w8a16_errors():
+    q, s = rand_w8(20, 64, 32)
+    with pytest.raises(ValueError) as w8a16_error:
+        ops.linear_w8a16(dl(rand(3, 32)), dl(q), dl(s), None, dl(torch.empty(3, 20)), 32)
+    with pytest.raises(ValueError) as error:
+        ops.linear_w8a8_group(dl(rand(3, 32)), dl(q), dl(s), None, dl(torch.empty(3, 20)), 32)
+    assert str(error.value) == str(w8a16_error.value)
