@@ -67,3 +67,14 @@ def resolve_backend(model_dir: str, backend: str | None, backend_config: EngineC
         return 'pytorch', f'auto: {refusal}'
     return 'turbomind', 'auto: TurboMind runs this model'
 
+
+
+def command_engine_config(fields: dict, backend: str, int8_activations: bool = False) -> EngineConfig:
+    """The engine config of a command's flags: the shared ``fields`` (None values left out), as a
+    ``TurbomindEngineConfig`` when a TurboMind-only flag is set (which a PyTorch backend refuses)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if not int8_activations:
+        return EngineConfig(**fields)
+    if backend == 'pytorch':
+        raise ValueError('int8_activations=True is a TurboMind setting: use backend turbomind or auto')
+    return TurbomindEngineConfig(**fields, int8_activations=True)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import sys
 
-from .backend import check_backend
-from .messages import ChatTemplateConfig, EngineConfig, GenerationConfig
+from .backend import check_backend, command_engine_config
+from .messages import ChatTemplateConfig, GenerationConfig
 from .prompt_loop import HELP, read_turns
 
 
 def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template: str | None = None,
          system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
          enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
-         num_threads: int | None = None, max_new_tokens: int = 1024, do_sample: bool = False,
+         num_threads: int | None = None, int8_activations: bool = False, max_new_tokens: int = 1024, do_sample: bool = False,
          temperature: float = 0.8, top_p: float = 1.0, top_k: int = 50, repetition_penalty: float = 1.0,
          random_seed: int | None = None) -> None:
     """Chat with a model in the terminal; answers stream as they are generated.
@@ -34,6 +34,7 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
         dtype: auto, float32, bfloat16 or float16.
         quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
         num_threads: CPU threads for the engine (default: all cores).
+        int8_activations: TurboMind: quantized matmuls take int8 activations as llama.cpp's (faster on CPUs).
         max_new_tokens: the most tokens one answer may have.
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature (with --do-sample).
@@ -47,7 +48,7 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
     fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
                   enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads,
                   quant_policy=quant_policy)
-    config = EngineConfig(**{k: v for k, v in fields.items() if v is not None})
+    config = command_engine_config(fields, backend, int8_activations)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                            top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, random_seed=random_seed)
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None

@@ -226,7 +226,7 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
           cache_max_entry_count: float | None = None, cache_block_seq_len: int | None = None,
           enable_prefix_caching: bool = False, quant_policy: int = 0, model_format: str | None = None,
           tp: int = 1, dtype: str = 'auto', num_threads: int | None = None, device: str | None = None,
-          log_level: str = 'INFO') -> None:
+          int8_activations: bool = False, log_level: str = 'INFO') -> None:
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /generate, /v1/encode, /v1/decode, /health, /metrics (docs at /docs).
 
@@ -257,12 +257,13 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         dtype: auto, float32, bfloat16 or float16.
         num_threads: CPU threads for the engine (default: all cores).
         device: cpu or cuda.
+        int8_activations: TurboMind: quantized matmuls take int8 activations as llama.cpp's (faster on CPUs).
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
     import uvicorn
 
-    from lmd.backend import check_backend
-    from lmd.messages import ChatTemplateConfig, EngineConfig
+    from lmd.backend import check_backend, command_engine_config
+    from lmd.messages import ChatTemplateConfig
     from lmd.model_path import prepare_model_dir
 
     level = str(log_level).upper()
@@ -274,8 +275,7 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
                   cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy,
                   model_format=model_format, tp=tp, dtype=dtype, device=device, num_threads=num_threads)
-    fields = {k: v for k, v in fields.items() if v is not None}
-    config = EngineConfig(**fields)  # checked before the port opens
+    config = command_engine_config(fields, backend, int8_activations)  # checked before the port opens
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
     name = model_name or (os.path.basename(str(model_path).rstrip('/')) if model_path else 'smollm2')
     server_config = ServerConfig(model_name=name, api_keys=_as_tuple(api_keys),

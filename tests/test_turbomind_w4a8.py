@@ -81,3 +81,15 @@ def test_smollm2_gguf_with_int8_activations_predicts_as_hf(smollm2_dir):
     assert (got - want).abs().max().item() < 0.04 * (want.max() - want.min()).item()  # 0.020 measured
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
     assert 'lm_head.qweight' in model.tensors  # the Q8_0 head takes int8 activations too
+
+
+def test_commands_pass_the_flag_to_turbomind_only():
+    """`lmd chat` / `lmd serve api_server --int8_activations`: a TurboMind config, refused for PyTorch."""
+    from lmd.backend import command_engine_config
+    from lmd.messages import EngineConfig
+    plain = command_engine_config(dict(session_len=64, dtype=None), 'auto')
+    assert type(plain) is EngineConfig and plain.session_len == 64
+    cfg = command_engine_config(dict(session_len=64), 'auto', int8_activations=True)
+    assert isinstance(cfg, TurbomindEngineConfig) and cfg.int8_activations and cfg.session_len == 64
+    with pytest.raises(ValueError, match='int8_activations=True is a TurboMind setting'):
+        command_engine_config({}, 'pytorch', int8_activations=True)
