@@ -308,8 +308,9 @@ def guarded_worker(fn, args) -> None:
 
 
 def emit(report: dict, load_start: list[float] | None = None, indent: int = 2) -> None:
-    """Print ``report`` as the one JSON object on stdout; with ``load_start``, the load average
-    before and after the run goes in last."""
+    """Print ``report`` as the one JSON object on stdout, with the CPU it ran on (``cpu_info``)
+    unless it has it; with ``load_start``, the load average before and after the run goes in last."""
+    report.setdefault('cpu', cpu_info())
     if load_start is not None:
         report['load_average'] = {'start': load_start, 'end': load_average()}
     print(json.dumps(report, indent=indent))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -28,6 +29,9 @@ import torch
 from torch.utils.dlpack import to_dlpack as dl
 
 from lmd.kernels import ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cpu_info  # noqa: E402
 
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     ops.set_num_threads(args.num_threads)
-    result = {'benchmark': 'gemm_cpu', 'num_threads': args.num_threads, 'isa': ops.isa(), 'gflops': {}, 'layer': {}}
+    result = {'benchmark': 'gemm_cpu', 'num_threads': args.num_threads, 'isa': ops.isa(), 'cpu': cpu_info(),
+              'gflops': {}, 'layer': {}}
     for dname in args.dtypes.split(','):
         dtype = DTYPES[dname]
         for M in (int(m) for m in args.m.split(',')):
