@@ -16,7 +16,6 @@ aborts the request.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -385,22 +384,10 @@ def proxy(*, server_name: str = '0.0.0.0', server_port: int = 8000, routing_stra
     uvicorn.run(app, host=server_name, port=int(server_port), log_level=level.lower(), timeout_keep_alive=5)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog='python -m lmd.serve.proxy', description=proxy.__doc__.split('\n')[0])
-    parser.add_argument('--server-name', default='0.0.0.0')
-    parser.add_argument('--server-port', type=int, default=8000)
-    parser.add_argument('--routing-strategy', default='min_expected_latency', choices=ROUTING_STRATEGIES)
-    parser.add_argument('--api-keys', nargs='+', default=None)
-    parser.add_argument('--health-check-interval', type=float, default=5.0)
-    parser.add_argument('--health-check-timeout', type=float, default=5.0)
-    parser.add_argument('--nodes', nargs='+', default=None)
-    parser.add_argument('--log-level', default='INFO')
-    args = parser.parse_args(argv)
-    try:
-        proxy(**vars(args))
-    except (ValueError, ProxyError) as e:
-        parser.error(str(e))
+def main(argv: list[str] | None = None) -> int:
+    from lmd.runner import run_command
+    return run_command(proxy, argv, 'lmd serve proxy')
 
 
 if __name__ == '__main__':
-    main()
+    raise SystemExit(main())

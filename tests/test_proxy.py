@@ -201,8 +201,8 @@ def test_bad_settings_are_named():
         build_app(health_check_interval=0)
     with pytest.raises(ValueError, match='--nodes: url must look like'):
         build_app(nodes='http://127.0.0.1:1,127.0.0.1:2')
-    with pytest.raises(SystemExit):
-        proxy_main(['--routing-strategy', 'fastest'])
+    assert proxy_main(['--routing-strategy', 'fastest']) == 2  # `python -m lmd.serve.proxy`: the CLI's runner
+    assert proxy_main(['--server-portt', '1']) == 2
     assert normalize_url('http://127.0.0.1:23333/') == 'http://127.0.0.1:23333'
     for bad in ('127.0.0.1:23333', 'ftp://x:1', 'http://x:99999', '', None, 5):
         with pytest.raises(ProxyError, match='url'):
@@ -351,7 +351,7 @@ def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path, spaw
     # requests answered here is the retry on another node, not the health check.
     a = spawned(start_standin(tmp_path, 'a', None))
     b = spawned(start_standin(tmp_path, 'b', None))
-    proxy = spawned(start_proxy(tmp_path, '--nodes', a.url, b.url, interval=60))
+    proxy = spawned(start_proxy(tmp_path, '--nodes', f'{a.url},{b.url}', interval=60))
     wait_nodes(proxy, {a.url: True, b.url: True})
     client = openai_client(proxy)
     s1 = client.chat.completions.create(model=STANDIN_MODEL, stream=True, max_tokens=400,
@@ -379,7 +379,7 @@ def test_dead_node_mid_stream_and_refused_connections_are_retried(tmp_path, spaw
 
 def test_api_keys(tmp_path, spawned):
     import openai
-    proxy = spawned(start_proxy(tmp_path, '--api-keys', 'k1', 'k2'))
+    proxy = spawned(start_proxy(tmp_path, '--api-keys', 'k1,k2'))
     # the stand-in requires k2 itself and registers with it: the proxy forwards the client's header
     a = spawned(start_standin(tmp_path, 'a', proxy, '--api-key', 'k2'))
     wait_nodes(proxy, {a.url: True}, key='k1')
