@@ -143,54 +143,62 @@ void unpack_w4a16(const TensorView & qpanels, const TensorView & spanels, const 
     unpack_linear(mpanels, mins);
 }
 
-void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
-                         const TensorView & mpanels, const TensorView * bias, const TensorView & y, bool reference) {
+namespace {
+
+// The frame of the W4 panel matmuls: the reference's rows on this thread's panels, or x as
+// float32 rows for avx2(xf, ldx, G), which prepares them and runs the panels.
+template <typename Ref, typename Avx2>
+void w4_panels(const TensorView & x, const TensorView & spanels, const TensorView & y, bool reference, Ref && ref_rows,
+               Avx2 && avx2) {
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
     if (reference || !use_avx2()) {
-        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-            ref::linear_w4a16_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
-                                          std::min(N, p1 * kPanelWidth));
-        });
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) { ref_rows(p0 * kPanelWidth, std::min(N, p1 * kPanelWidth)); });
         return;
     }
     std::vector<float> converted;
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
-    const int64_t G = K / spanels.size(1);
-    std::vector<float> xp(M * K), xsum(M * (K / G));
-    parallel(prepare_threads(M, K), [&](int t, int nt) {
-        avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
-    });
-    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-        avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
-    });
+    avx2(xf, ldx, K / spanels.size(1));
+}
+
+}  // namespace
+
+void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                         const TensorView & mpanels, const TensorView * bias, const TensorView & y, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+    w4_panels(
+        x, spanels, y, reference,
+        [&](int64_t n0, int64_t n1) { ref::linear_w4a16_packed_rows(x, qpanels, spanels, mpanels, bias, y, n0, n1); },
+        [&](const float * xf, int64_t ldx, int64_t G) {
+            std::vector<float> xp(M * K), xsum(M * (K / G));
+            parallel(prepare_threads(M, K), [&](int t, int nt) {
+                avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
+            });
+            split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+                avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
+            });
+        });
 }
 
 void linear_w4a8_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
                         const TensorView & mpanels, const TensorView * bias, const TensorView & y, bool reference) {
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
-    if (M == 0 || N == 0) return;
-    if (reference || !use_avx2()) {
-        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-            ref::linear_w4a8_packed_rows(x, qpanels, spanels, mpanels, bias, y, p0 * kPanelWidth,
-                                         std::min(N, p1 * kPanelWidth));
+    w4_panels(
+        x, spanels, y, reference,
+        [&](int64_t n0, int64_t n1) { ref::linear_w4a8_packed_rows(x, qpanels, spanels, mpanels, bias, y, n0, n1); },
+        [&](const float * xf, int64_t ldx, int64_t G) {
+            std::vector<int8_t> xq(M * K);
+            std::vector<float> dx(M * (K / 32)), xsum(M * (K / G));
+            parallel(prepare_threads(M, K), [&](int t, int nt) {
+                avx2::w4a8_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xq.data(), dx.data(),
+                                        xsum.data());
+            });
+            split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+                avx2::linear_w4a8_packed_panels(xq.data(), dx.data(), xsum.data(), M, qpanels, spanels, mpanels, bias,
+                                                y, p0, p1);
+            });
         });
-        return;
-    }
-    std::vector<float> converted;
-    int64_t ldx = 0;
-    const float * xf = f32_rows(x, converted, ldx);
-    const int64_t G = K / spanels.size(1);
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> dx(M * (K / 32)), xsum(M * (K / G));
-    parallel(prepare_threads(M, K), [&](int t, int nt) {
-        avx2::w4a8_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xq.data(), dx.data(), xsum.data());
-    });
-    split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-        avx2::linear_w4a8_packed_panels(xq.data(), dx.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0,
-                                        p1);
-    });
 }
 
 }  // namespace lmd::cpu

@@ -44,40 +44,18 @@ void linear_w4a16(const TensorView & x, const TensorView & qweight, const Tensor
     });
 }
 
-void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
-                  const TensorView * bias, const TensorView & y, int64_t group_size, bool reference) {
-    const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-    if (M == 0 || N == 0) return;
-    const int threads = matmul_threads(M, N, K);
-    if (reference || !use_avx2()) {
-        parallel(threads, [&](int t, int nt) {
-            ref::linear_w8a16_rows(x, qweight, scales, bias, y, group_size, N * t / nt, N * (t + 1) / nt);
-        });
-        return;
-    }
-    const float * xf = x.ptr<float>();
-    int64_t ldx = x.stride(0);
-    std::vector<float> converted;  // 16-bit activations, widened once rather than once per weight row
-    if (x.dtype != DType::f32) {
-        converted.resize(M * K);
-        for (int64_t m = 0; m < M; ++m) avx2::w8a16_prepare_row(x, m, &converted[m * K]);
-        xf = converted.data();
-        ldx = K;
-    }
-    parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
-        avx2::linear_w8a16_rows(xf, ldx, M, K, qweight, scales, bias, y, group_size, n0, n1);
-    });
-}
+namespace {
 
-void linear_w8a8_group(const TensorView & x, const TensorView & qweight, const TensorView & scales,
-                       const TensorView * bias, const TensorView & y, int64_t group_size, bool reference) {
+// The frame of the W8A16-layout matmuls: the reference's rows split across the threads, or x as
+// float32 rows (16-bit activations widened once, not once per weight row) for
+// avx2(xf, ldx, threads).
+template <typename Ref, typename Avx2>
+void w8_rows(const TensorView & x, const TensorView & qweight, bool reference, Ref && ref_rows, Avx2 && avx2) {
     const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
     if (M == 0 || N == 0) return;
     const int threads = matmul_threads(M, N, K);
     if (reference || !use_avx2()) {
-        parallel(threads, [&](int t, int nt) {
-            ref::linear_w8a8_group_rows(x, qweight, scales, bias, y, group_size, N * t / nt, N * (t + 1) / nt);
-        });
+        parallel(threads, [&](int t, int nt) { ref_rows(N * t / nt, N * (t + 1) / nt); });
         return;
     }
     const float * xf = x.ptr<float>();
@@ -89,12 +67,39 @@ void linear_w8a8_group(const TensorView & x, const TensorView & qweight, const T
         xf = converted.data();
         ldx = K;
     }
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> dx(M * (K / 32));
-    avx2::q8_prepare_rows(xf, ldx, K, 0, M, xq.data(), dx.data());
-    parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
-        avx2::linear_w8a8_group_rows(xq.data(), dx.data(), M, K, qweight, scales, bias, y, group_size, n0, n1);
-    });
+    avx2(xf, ldx, threads);
+}
+
+}  // namespace
+
+void linear_w8a16(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                  const TensorView * bias, const TensorView & y, int64_t group_size, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+    w8_rows(
+        x, qweight, reference,
+        [&](int64_t n0, int64_t n1) { ref::linear_w8a16_rows(x, qweight, scales, bias, y, group_size, n0, n1); },
+        [&](const float * xf, int64_t ldx, int threads) {
+            parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
+                avx2::linear_w8a16_rows(xf, ldx, M, K, qweight, scales, bias, y, group_size, n0, n1);
+            });
+        });
+}
+
+void linear_w8a8_group(const TensorView & x, const TensorView & qweight, const TensorView & scales,
+                       const TensorView * bias, const TensorView & y, int64_t group_size, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+    w8_rows(
+        x, qweight, reference,
+        [&](int64_t n0, int64_t n1) { ref::linear_w8a8_group_rows(x, qweight, scales, bias, y, group_size, n0, n1); },
+        [&](const float * xf, int64_t ldx, int threads) {
+            std::vector<int8_t> xq(M * K);
+            std::vector<float> dx(M * (K / 32));
+            avx2::q8_prepare_rows(xf, ldx, K, 0, M, xq.data(), dx.data());
+            parallel_ranges(threads, N, 4, [&](int64_t n0, int64_t n1) {  // tiles of 4 (GEMV) and 2 columns
+                avx2::linear_w8a8_group_rows(xq.data(), dx.data(), M, K, qweight, scales, bias, y, group_size, n0,
+                                             n1);
+            });
+        });
 }
 
 void quantize_per_token(const TensorView & x, const TensorView & xq, const TensorView & sx, bool reference) {
