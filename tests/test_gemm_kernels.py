@@ -217,16 +217,22 @@ def test_w4a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype):
         torch.testing.assert_close(ref.double(), want, **tol)
 
 
+def assert_rows_independent(run, x, sizes=(1, 2, 3, 4, 5, 6, 13), rows=(7,)):
+    """run(x rows) -> y: each row of y is bitwise the same whatever rows share the call (the first
+    M, or one alone) and on 1, 2 or 3 threads."""
+    full = with_threads(2, lambda: run(x))
+    for threads in (1, 2, 3):
+        for M in (*sizes, x.shape[0]):
+            assert torch.equal(with_threads(threads, lambda: run(x[:M])), full[:M]), (threads, M)
+        for m in (*rows, x.shape[0] - 1):
+            assert torch.equal(with_threads(threads, lambda: run(x[m:m + 1]))[0], full[m]), (threads, m)
+
+
 def test_w4a16_rows_do_not_depend_on_the_batch_or_the_threads():
     N, K, G = 300, 576, 32
     panels = [ops.HostTensor(dl(t)) for t in pack_w4a16(*rand_w4a16(N, K, G, seed=4))]
-    x, b = rand(140, K, seed=5), rand(N, seed=6)
-    full = with_threads(2, lambda: w4a16_packed(x, panels, b, N))
-    for threads in (1, 2, 3):
-        for M in (1, 2, 3, 4, 5, 6, 13, 140):
-            assert torch.equal(with_threads(threads, lambda: w4a16_packed(x[:M], panels, b, N)), full[:M]), (threads, M)
-        for m in (7, 139):
-            assert torch.equal(with_threads(threads, lambda: w4a16_packed(x[m:m + 1], panels, b, N))[0], full[m])
+    b = rand(N, seed=6)
+    assert_rows_independent(lambda x: w4a16_packed(x, panels, b, N), rand(140, K, seed=5))
 
 
 # -- bad arguments ---------------------------------------------------------------------------------

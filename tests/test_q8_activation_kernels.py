@@ -13,7 +13,7 @@ from torch.utils.dlpack import to_dlpack as dl
 
 from lmd.kernels import ops
 from lmd.turbomind import quant
-from test_gemm_kernels import DTYPES, pack_w4a16, rand, rand_w4a16, with_threads
+from test_gemm_kernels import DTYPES, assert_rows_independent, pack_w4a16, rand, rand_w4a16
 
 
 def w4a8_packed(x, panels, bias, n, reference=False):
@@ -86,13 +86,8 @@ def test_w4a8_error_is_within_the_activation_rounding_bound():
 def test_w4a8_rows_do_not_depend_on_the_batch_or_the_threads():
     N, K, G = 300, 576, 32
     panels = [ops.HostTensor(dl(t)) for t in pack_w4a16(*rand_w4a16(N, K, G, seed=4))]
-    x, b = rand(140, K, seed=5), rand(N, seed=6)
-    full = with_threads(2, lambda: w4a8_packed(x, panels, b, N))
-    for threads in (1, 2, 3):
-        for M in (1, 2, 3, 4, 5, 6, 13, 140):
-            assert torch.equal(with_threads(threads, lambda: w4a8_packed(x[:M], panels, b, N)), full[:M]), (threads, M)
-        for m in (7, 139):
-            assert torch.equal(with_threads(threads, lambda: w4a8_packed(x[m:m + 1], panels, b, N))[0], full[m])
+    b = rand(N, seed=6)
+    assert_rows_independent(lambda x: w4a8_packed(x, panels, b, N), rand(140, K, seed=5))
 
 
 def test_w4a8_bad_arguments_are_the_w4a16_errors():
@@ -141,12 +136,9 @@ def test_w8a8_group_equals_reference(M, N, K, G, dtype):
 def test_w8a8_group_rows_do_not_depend_on_the_batch_or_the_threads():
     N, K, G = 301, 576, 32
     q, s = (ops.HostTensor(dl(t)) for t in rand_w8(N, K, G, seed=9))
-    x, b = rand(70, K, seed=10), rand(N, seed=11)
-    full = with_threads(2, lambda: w8a8_group(x, q, s, b, N, G))
-    for threads in (1, 3):
-        for M in (1, 2, 3, 69, 70):
-            assert torch.equal(with_threads(threads, lambda: w8a8_group(x[:M], q, s, b, N, G)), full[:M]), (threads, M)
-        assert torch.equal(with_threads(threads, lambda: w8a8_group(x[33:34], q, s, b, N, G))[0], full[33])
+    b = rand(N, seed=11)
+    assert_rows_independent(lambda x: w8a8_group(x, q, s, b, N, G), rand(70, K, seed=10), sizes=(1, 2, 3, 69),
+                            rows=(33,))
 
 
 def test_w8a8_group_error_is_within_the_activation_rounding_bound():

@@ -9,17 +9,6 @@
 
 namespace lmd::cpu::ref {
 
-namespace {
-
-// X of gemm.h: the sum of x[m, k0..k1) in eight lanes, folded as hsum does.
-float group_sum(const TensorView & x, int64_t m, int64_t k0, int64_t k1) {
-    float lane[8] = {};
-    for (int64_t k = k0; k < k1; ++k) lane[k % 8] += load_f32(x.data, m * x.stride(0) + k, x.dtype);
-    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-}
-
-}  // namespace
-
 void linear_packed_rows(const TensorView & x, const TensorView & packed, const TensorView * bias,
                         const TensorView & y, int64_t n0, int64_t n1) {
     const int64_t M = x.size(0), K = x.size(1);
@@ -48,7 +37,11 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
             const int j = static_cast<int>(k % 8);
             xp[k] = load_f32(x.data, m * x.stride(0) + k, x.dtype) * (j < 7 ? std::ldexp(1.f, -4 * j) : 1.f);
         }
-        for (int64_t g = 0; g < num_groups; ++g) xsum[g] = group_sum(x, m, g * G, (g + 1) * G);
+        for (int64_t g = 0; g < num_groups; ++g) {
+            float lane[8] = {};
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) lane[k % 8] += load_f32(x.data, m * x.stride(0) + k, x.dtype);
+            xsum[g] = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+        }
         for (int64_t n = n0; n < n1; ++n) {
             const int64_t p = n / kW4A16PanelWidth, col = n % kW4A16PanelWidth;
             float t = 0.f, u = 0.f;

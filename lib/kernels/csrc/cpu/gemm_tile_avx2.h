@@ -94,16 +94,6 @@ __attribute__((always_inline)) inline void tile_steps(const float * x, int64_t l
     acc_io = acc;
 }
 
-// X of gemm.h for one row: the sums of x over each group of G k, in eight lanes (lane l adds
-// k = l mod 8 in increasing k), folded by hsum.
-inline void group_sums(const float * row, int64_t K, int64_t G, float * xsum) {
-    for (int64_t g = 0; g < K / G; ++g) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(row + k));
-        xsum[g] = hsum(acc);
-    }
-}
-
 // y[m, c] = acc (+ bias[c]) for the `cols` valid columns of a tile (cols <= 16 NP).
 template <int MR, int NP, typename BT, typename YT>
 inline void tile_store(const Acc<MR, NP> & acc, const BT * bias, int64_t cols, YT * y, int64_t ldy) {
@@ -126,5 +116,40 @@ inline void tile_store(const Acc<MR, NP> & acc, const BT * bias, int64_t cols, Y
         }
     }
 }
+
+inline __m256i load_words(const int32_t * p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+
+// The W4A16 panels (gemm.h) as the W4A16 and W4A8 kernels read them: the words, their scales
+// and mins in ST (float or f16), and X [M, K / G], the group sums of the prepared rows.
+template <typename ST>
+struct W4Panels {
+    const int32_t * q;
+    const ST * s;
+    const ST * mn;
+    int64_t K, G, ng;  // ng = K / G
+    const float * xsum;
+
+    // 16-column panel p is columns 16 (p mod 4).. of 64-wide panel p / 4
+    static constexpr int64_t kW4 = kW4A16PanelWidth;
+    const int32_t * words(int64_t p, int64_t c) const { return q + (p / 4 * (K / 8) + c) * kW4 + p % 4 * kW; }
+    const ST * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+    const ST * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+
+    // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
+    template <int MR, int NP>
+    __attribute__((always_inline)) Acc<MR, NP> mins_sum(int64_t m0, int64_t p) const {
+        Acc<MR, NP> u = acc_zero<MR, NP>();
+        const float * xs = xsum + m0 * ng;
+        for (int64_t g = 0; g < ng; ++g) {
+            __m256 mv[2 * NP];
+            for (int i = 0; i < 2 * NP; ++i) mv[i] = load8(mins(p + i / 2, g) + 8 * (i % 2));
+            for (int m = 0; m < MR; ++m) {
+                const __m256 xb = _mm256_broadcast_ss(xs + m * ng + g);
+                for (int i = 0; i < 2 * NP; ++i) u.v[m][i] = _mm256_fmadd_ps(mv[i], xb, u.v[m][i]);
+            }
+        }
+        return u;
+    }
+};
 
 }  // namespace lmd::cpu::avx2::tile

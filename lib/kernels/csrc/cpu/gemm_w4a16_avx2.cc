@@ -31,40 +31,18 @@ __attribute__((always_inline)) inline __m256 nibble(__m256i v) {
     return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
 }
 
-inline __m256i load_words(const int32_t * p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
-
-// The panels (gemm.h), their scales and mins in ST (float or f16), and the prepared rows:
-// xp [M, K], xsum [M, K / G].
+// The panels (W4Panels) and the prepared rows xp [M, K].
 template <typename ST>
-struct W4A16 {
-    const int32_t * q;
-    const ST * s;
-    const ST * mn;
-    int64_t K, G, ng;  // ng = K / G
+struct W4A16 : W4Panels<ST> {
     const float * xp;
-    const float * xsum;
 
-    // 16-column panel p is columns 16 (p mod 4).. of 64-wide panel p / 4
-    static constexpr int64_t kW4 = kW4A16PanelWidth;
-    const int32_t * words(int64_t p, int64_t c) const { return q + (p / 4 * (K / 8) + c) * kW4 + p % 4 * kW; }
-    const ST * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
-    const ST * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
-
-    // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
-    template <int MR, int NP>
-    __attribute__((always_inline)) Acc<MR, NP> mins_sum(int64_t m0, int64_t p) const {
-        Acc<MR, NP> u = acc_zero<MR, NP>();
-        const float * xs = xsum + m0 * ng;
-        for (int64_t g = 0; g < ng; ++g) {
-            __m256 mv[2 * NP];
-            for (int i = 0; i < 2 * NP; ++i) mv[i] = load8(mins(p + i / 2, g) + 8 * (i % 2));
-            for (int m = 0; m < MR; ++m) {
-                const __m256 xb = _mm256_broadcast_ss(xs + m * ng + g);
-                for (int i = 0; i < 2 * NP; ++i) u.v[m][i] = _mm256_fmadd_ps(mv[i], xb, u.v[m][i]);
-            }
-        }
-        return u;
-    }
+    using W4Panels<ST>::K;
+    using W4Panels<ST>::G;
+    using W4Panels<ST>::ng;
+    using W4Panels<ST>::xsum;
+    using W4Panels<ST>::words;
+    using W4Panels<ST>::scales;
+    using W4Panels<ST>::mins;
 
     // d += x · w for rows 0..MR at x (stride K) and the 2 NP column vectors w.
     template <int MR, int NP>
@@ -247,7 +225,11 @@ void w4a16_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int6
     for (int64_t m = m0; m < m1; ++m) {
         const float * row = x + m * ldx;
         for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xp + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(row + k), scale));
-        group_sums(row, K, G, xsum + m * (K / G));
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(row + k));
+            xsum[m * (K / G) + g] = hsum(acc);
+        }
     }
 }
 
@@ -258,7 +240,7 @@ void panels_typed(const float * xp, const float * xsum, int64_t M, const TensorV
                   const TensorView & spanels, const TensorView & mpanels, const float * bias, const TensorView & y,
                   int64_t p0, int64_t p1) {
     const int64_t K = qpanels.size(1) * 8, ng = spanels.size(1);
-    const W4A16<ST> a{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xp, xsum};
+    const W4A16<ST> a{{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xsum}, xp};
     const int64_t N = y.size(1), ldy = y.stride(0);
     switch (y.dtype) {
         case DType::f32: panels(a, M, N, bias, y.ptr<float>(), ldy, p0, p1); break;

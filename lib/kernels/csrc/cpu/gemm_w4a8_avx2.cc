@@ -25,31 +25,24 @@ namespace {
 
 using namespace tile;
 
-inline __m256i load_words(const int32_t * p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
-
 inline __m256i broadcast_word(const int8_t * p) {
     int32_t w;
     std::memcpy(&w, p, 4);
     return _mm256_set1_epi32(w);
 }
 
-// The panels, their scales and mins in ST (float or f16), and the prepared rows:
-// xq [M, K] (each 8 k in the order 0 2 4 6 1 3 5 7), dx [M, K / 32], xsum [M, K / G].
+// The panels (W4Panels, X there being Q8_1's sums) and the prepared rows: xq [M, K] (each 8 k
+// in the order 0 2 4 6 1 3 5 7), dx [M, K / 32].
 template <typename ST>
-struct W4A8 {
-    const int32_t * q;
-    const ST * s;
-    const ST * mn;
-    int64_t K, G, ng;
+struct W4A8 : W4Panels<ST> {
     const int8_t * xq;
     const float * dx;
-    const float * xsum;
 
-    // 16-column panel p is columns 16 (p mod 4).. of 64-wide panel p / 4
-    static constexpr int64_t kW4 = kW4A16PanelWidth;
-    const int32_t * words(int64_t p, int64_t c) const { return q + (p / 4 * (K / 8) + c) * kW4 + p % 4 * kW; }
-    const ST * scales(int64_t p, int64_t g) const { return s + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
-    const ST * mins(int64_t p, int64_t g) const { return mn + (p / 4 * ng + g) * kW4 + p % 4 * kW; }
+    using W4Panels<ST>::K;
+    using W4Panels<ST>::G;
+    using W4Panels<ST>::ng;
+    using W4Panels<ST>::words;
+    using W4Panels<ST>::scales;
 
     // y = T + U for rows m0.. (MR) and NP panels from p (within one 64-wide panel), all of K.
     // GC: the group size when known at compile time, else 0.
@@ -98,14 +91,7 @@ struct W4A8 {
             }
         }
         // U, the mins' chain, in a pass of its own: beside T it would leave too few registers
-        Acc<MR, NP> u = acc_zero<MR, NP>();
-        const float * xs = xsum + m0 * ng;
-        for (int64_t g = 0; g < ng; ++g) {
-            for (int i = 0; i < NV; ++i) {
-                const __m256 mv = load8(mins(p + i / 2, g) + 8 * (i % 2));
-                for (int m = 0; m < MR; ++m) u.v[m][i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + m * ng + g), u.v[m][i]);
-            }
-        }
+        const Acc<MR, NP> u = this->template mins_sum<MR, NP>(m0, p);
         for (int m = 0; m < MR; ++m)
             for (int i = 0; i < NV; ++i) t.v[m][i] = _mm256_add_ps(t.v[m][i], u.v[m][i]);
         return t;
@@ -165,7 +151,7 @@ void panels_typed(const int8_t * xq, const float * dx, const float * xsum, int64
                   const TensorView & spanels, const TensorView & mpanels, const float * bias, const TensorView & y,
                   int64_t p0, int64_t p1) {
     const int64_t K = qpanels.size(1) * 8, ng = spanels.size(1);
-    const W4A8<ST> a{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xq, dx, xsum};
+    const W4A8<ST> a{{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xsum}, xq, dx};
     const int64_t N = y.size(1), ldy = y.stride(0);
     switch (y.dtype) {
         case DType::f32: panels_g(a, M, N, bias, y.ptr<float>(), ldy, p0, p1); break;
