@@ -1,6 +1,8 @@
-"""A GGUF conversion's quantized matmuls as they are: its Q4_0 / Q4_1 matmuls in the W4A16 layout
-and a Q8_0 lm_head in W8A16 (``quant_layouts.py``), bit-exact, instead of the dequantized float
-weights ``lmd convert`` wrote beside them.
+"""A GGUF conversion's quantized matmuls as they are, instead of the dequantized float weights
+``lmd convert`` wrote beside them: its Q4_0 / Q4_1 matmuls in the W4A16 layout and a Q8_0 lm_head in
+W8A16 (``quant_layouts.py``), bit-exact; and every matmul of a block type the kernel library
+multiplies in place (``gguf_blocks_for``: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL at their own bit
+widths; lib/kernels/csrc/cpu/gguf.h), as the file stores them.
 
 ``gguf_w4a16_for`` / ``gguf_head_w8a16_for`` take a directory ``lmd convert`` made from a GGUF
 file (its marker names the file, ``lmd.conversion``) and cache what they read in it::
@@ -10,6 +12,7 @@ file (its marker names the file, ``lmd.conversion``) and cache what they read in
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -22,6 +25,18 @@ from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
 from .schema import LINEARS
 
 
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, stamp: tuple[int, int]):
+    """``open_gguf(path)``, parsed once for every reader below (a GGUF's metadata, its vocabulary above
+    all, takes seconds to parse); ``stamp`` (mtime, size) keys it to the file's current contents."""
+    return open_gguf(path)
+
+
+def _open(path: str):
+    st = os.stat(path)
+    return _reader(path, (st.st_mtime_ns, st.st_size))
+
+
 # The matmul weights that run in W4A16 straight from a GGUF file.
 _GGUF_W4_READERS = {'Q4_0': from_gguf_q4_0, 'Q4_1': from_gguf_q4_1}
 _LINEAR_SUFFIXES = tuple(f'.{name}.weight' for name in LINEARS)
@@ -32,7 +47,7 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
     in the W4A16 layout (group size 32), bit-exact; llama.cpp's row permutation of q and k
     undone as ``lmd.gguf_model`` undoes it. Tensors of other types are left out (the caller
     takes them from the dequantized model)."""
-    reader = open_gguf(path)
+    reader = _open(path)
     permuted = rope_permuted_heads(gguf_metadata(reader, path))
     heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
     out = {}
@@ -54,31 +69,32 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
 # Beside the converted model, in a folder of its own so weight loaders never mistake them for shards.
 W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.safetensors')
 HEAD_W8A16_CACHE_FILE = os.path.join('turbomind', 'head_w8a16.safetensors')
+BLOCKS_CACHE_FILE = os.path.join('turbomind', 'gguf_blocks.safetensors')
+_EMPTY = '__empty__'  # what a cache of nothing holds, so that nothing is not looked for again
 
 
 def _cached(model_dir: str, cache_file: str, build) -> dict[str, torch.Tensor] | None:
-    """Flat tensors from model_dir/cache_file, or ``build(gguf_source)`` (None: nothing to cache),
-    then written there atomically (skipped in a read-only directory). None when model_dir is
-    not a GGUF conversion and has no cache."""
+    """Flat tensors from model_dir/cache_file, or ``build(gguf_source)`` (None or empty: nothing, which
+    is cached too), then written there atomically (skipped in a read-only directory). None when
+    model_dir is not a GGUF conversion (or its file is gone) and has no cache."""
     import tempfile
 
     from safetensors.torch import load_file, save_file
     cache = os.path.join(model_dir, cache_file)
     if os.path.isfile(cache):
-        return load_file(cache)
+        return {k: v for k, v in load_file(cache).items() if k != _EMPTY}
     source = conversion_source(model_dir)
-    if source is None:
+    if source is None or not os.path.isfile(source):
         return None
-    flat = build(source)
-    if flat:
-        try:
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix='.cache-', suffix='.tmp', dir=os.path.dirname(cache))
-            os.close(fd)
-            save_file(flat, tmp)
-            os.replace(tmp, cache)
-        except OSError:
-            pass
+    flat = build(source) or {}
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix='.cache-', suffix='.tmp', dir=os.path.dirname(cache))
+        os.close(fd)
+        save_file(flat or {_EMPTY: torch.zeros(0)}, tmp)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
     return flat
 
 
@@ -96,6 +112,48 @@ def gguf_w4a16_for(model_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor
     return {n: tuple(flat[f'{n}.{f}'] for f in fields) for n in names}
 
 
+# The block types ops.linear_gguf multiplies as stored (lib/kernels/csrc/cpu/gguf.h).
+GGUF_BLOCK_TYPES = ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K', 'IQ4_NL')
+
+
+def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF name -> (raw uint8 [N, row bytes], ggml type id as int32 [1]) for every matmul weight of a
+    GGUF file (the lm_head too: ``output.weight``, or the tied ``token_embd.weight``) whose type is
+    one of ``GGUF_BLOCK_TYPES``: the blocks as stored, with llama.cpp's row permutation of q and k
+    undone (whole rows move). Other tensors are left out (the caller takes them in float)."""
+    reader = _open(path)
+    permuted = rope_permuted_heads(gguf_metadata(reader, path))
+    heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
+    tensors = {t.name: t for t in reader.tensors}
+    head = 'output.weight' if 'output.weight' in tensors else 'token_embd.weight'
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_BLOCK_TYPES:
+            continue
+        name = 'lm_head.weight' if t.name == head else hf_tensor_name(t.name, path)
+        if name != 'lm_head.weight' and not name.endswith(_LINEAR_SUFFIXES):
+            continue
+        n = int(t.shape[1])
+        raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+        suffix = name.rsplit('.', 2)[-2] + '.weight'
+        if heads is not None and suffix in heads:
+            raw = unpermute_rope(raw, heads[suffix])
+        out[name] = (torch.from_numpy(np.array(raw, order='C')),
+                     torch.tensor([int(t.tensor_type)], dtype=torch.int32))
+    return out
+
+
+def gguf_blocks_for(model_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """``read_gguf_blocks`` of the GGUF file a directory ``lmd convert`` made was converted from,
+    cached in the directory; None for any other directory."""
+    def build(source):
+        return {f'{n}.{f}': t for n, parts in read_gguf_blocks(source).items() for f, t in zip(('raw', 'type'), parts)}
+    flat = _cached(model_dir, BLOCKS_CACHE_FILE, build)
+    if not flat:
+        return None
+    return {n: (flat[f'{n}.raw'], flat[f'{n}.type']) for n in {k.rsplit('.', 1)[0] for k in flat}}
+
+
 def gguf_head_w8a16_for(model_dir: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(qweight int8, scales) of the lm_head of a GGUF conversion whose head (``output.weight``,
     or the tied ``token_embd.weight``) is Q8_0, bit-exact; None otherwise."""
@@ -109,7 +167,7 @@ def gguf_head_w8a16_for(model_dir: str) -> tuple[torch.Tensor, torch.Tensor] | N
 def read_gguf_head_q8_0(path: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(qweight int8, scales) in the W8A16 layout of a GGUF's lm_head (``output.weight``, or the tied
     ``token_embd.weight``) when it is Q8_0, bit-exact; None otherwise."""
-    reader = open_gguf(path)
+    reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     t = tensors.get('output.weight', tensors.get('token_embd.weight'))
     if t is None or t.tensor_type.name != 'Q8_0':

@@ -116,6 +116,13 @@ def from_gguf_q8_0(raw, n: int, k: int):
     return qweight, _fp16_field(blocks, 0)
 
 
+def gguf_block_shape(raw: torch.Tensor, type_id: int) -> tuple[int, int]:
+    """[N, K] of the weight that GGUF blocks raw uint8 [N, row bytes] of ggml type ``type_id`` hold."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(type_id))]
+    return raw.shape[0], raw.shape[1] // nbytes * values
+
+
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """int32 [rows, cols // 8] in AWQ's nibble order -> uint8 [rows, cols]."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)

@@ -6,6 +6,8 @@ A decoder layer runs four matmuls (``LAYER_MATMULS``): q/k/v fused into ``qkv``
 parts are concatenated along N, biases alike. A quantized matmul (``quant_layouts.py``) is a
 tuple standing for its [N, K] weight: (qweight, scales, mins) W4A16, (qweight int8, scales
 [N, K / G]) W8A16, (qweight int8, scales [N]) W8A8; fused, each field is concatenated along N.
+(raw uint8, type int32 [1]) is GGUF blocks as stored; fused, the parts go in runs of one block type
+(``<name>.gguf.<i>``, their types in ``<name>.gguf_types``), each run its own columns of the output.
 
 ``fuse_weights`` gives the fused tensors under TurboMind's names (``embed``, ``norm``,
 ``lm_head``, ``layers.{i}.qkv`` ...), the names of TurboMind's own layout
@@ -18,6 +20,7 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
+from .quant_layouts import gguf_block_shape
 from .rope import build_cos_sin_cache
 
 # The seven matmuls of a decoder layer, under model.layers.{i}.
@@ -101,6 +104,8 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None
 
 def dense_shape(parts: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     """[N, K] of the weight a quantized tuple stands for (W4A16 packs two values a byte)."""
+    if quant_format(parts) == 'gguf':
+        return gguf_block_shape(parts[0], int(parts[1][0]))
     n, cols = parts[0].shape
     return n, cols * 2 if len(parts) == 3 else cols
 
@@ -114,9 +119,12 @@ def check_quantized_weights(config: ModelConfig, weights: dict[str, torch.Tensor
 
 
 def quant_format(parts: tuple[torch.Tensor, ...]) -> str:
-    """The layout of a quantized matmul: 'w4a16', 'w8a16' or 'w8a8' (``quant_layouts.py``)."""
+    """The layout of a quantized matmul: 'w4a16', 'w8a16' or 'w8a8' (``quant_layouts.py``), or 'gguf'
+    (raw GGUF blocks and their type, ``gguf_linears.read_gguf_blocks``)."""
     if len(parts) == 3:
         return 'w4a16'
+    if parts[0].dtype == torch.uint8:
+        return 'gguf'
     return 'w8a8' if parts[1].dim() == 1 else 'w8a16'
 
 
@@ -143,7 +151,19 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
 
     def linear(name: str, parts: list[str], bias_parts: list[str]) -> None:
         qs = [quantized.get(p) for p in parts]
-        if all(q is not None for q in qs) and len({(quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
+        if all(q is not None and quant_format(q) == 'gguf' for q in qs):
+            # one matmul in runs of parts of one block type each, written into its columns in turn
+            runs: list[tuple[int, list[torch.Tensor]]] = []
+            for raw, type_id in qs:
+                if runs and runs[-1][0] == int(type_id[0]):
+                    runs[-1][1].append(raw)
+                else:
+                    runs.append((int(type_id[0]), [raw]))
+            for i, (_, raws) in enumerate(runs):
+                out[f'{name}.gguf.{i}'] = torch.cat(raws, dim=0).contiguous()
+            out[f'{name}.gguf_types'] = torch.tensor([t for t, _ in runs], dtype=torch.int32)
+            out[name + '_bias'] = cat(bias_parts, torch.float32)
+        elif all(q is not None for q in qs) and len({(quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
             for i, field in enumerate(('qweight', 'scales', 'mins')[:len(qs[0])]):
                 out[f'{name}.{field}'] = torch.cat([q[i] for q in qs], dim=0).contiguous()
             out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
@@ -176,8 +196,9 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
 
 
 def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16' or 'w8a8' (``fuse_weights``' output)."""
+    """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16', 'w8a8' or 'gguf' (``fuse_weights``'
+    output)."""
     names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
-    return {n: 'float' if n + '.qweight' not in tensors else
+    return {n: 'gguf' if n + '.gguf_types' in tensors else 'float' if n + '.qweight' not in tensors else
             quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))
             for n in names}

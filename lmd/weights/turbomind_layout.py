@@ -8,8 +8,9 @@ C++: the GEMM panels are packed at load (``lmd.turbomind.model.pack_matmuls``).
 ``load_fused`` reads any directory TurboMind takes into the tensors ``LlamaModel`` takes:
 
 - an HF checkpoint in float (``model_format`` 'hf');
-- a GGUF conversion (``lmd convert X.gguf``): its Q4_0/Q4_1 matmuls in W4A16 and a Q8_0 lm_head
-  in W8A16, bit-exact ('gguf'; 'hf' runs its float weights instead);
+- a GGUF conversion (``lmd convert X.gguf``): its Q4_0/Q4_1 matmuls in W4A16, a Q8_0 lm_head in
+  W8A16, and the other block types (k-quants, Q5_0 ..., a mixed file's parts) as the file stores them,
+  bit-exact ('gguf'; 'hf' runs its float weights instead);
 - an AWQ or W8A8 checkpoint ('awq', 'w8a8'; ``source_format.py``), detected from config.json;
 - a directory in TurboMind's own layout, which ``export`` writes (the tensors come fused)::
 
@@ -42,9 +43,9 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
 from .dtype import DTYPE_NAMES, DTYPES, resolve_dtype
-from .gguf_linears import gguf_head_w8a16_for, gguf_w4a16_for
+from .gguf_linears import gguf_blocks_for, gguf_head_w8a16_for, gguf_w4a16_for
 from .rope import build_cos_sin_cache
-from .schema import fuse_weights, linear_formats
+from .schema import LAYER_MATMULS, fuse_weights, linear_formats, matmul_parts
 from .source_format import awq_linears, source_format, w8a8_linears
 
 FORMAT = 'lmd-turbomind'
@@ -56,7 +57,7 @@ HF_FILES = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenize
             'chat_template.jinja', 'chat_template.json')
 MODEL_KEYS = ('hidden_size', 'intermediate_size', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
               'vocab_size', 'tie_word_embeddings', 'qk_norm')
-_TENSOR_DTYPES = {**DTYPES, 'uint8': torch.uint8, 'int8': torch.int8}
+_TENSOR_DTYPES = {**DTYPES, 'uint8': torch.uint8, 'int8': torch.int8, 'int32': torch.int32}
 
 
 class TurbomindFormatError(ModelFormatError):
@@ -83,12 +84,30 @@ def load_fused(model_dir: str, config: ModelConfig, dtype: torch.dtype,
         quantized = w8a8_linears(weights, config.quantization_config, where)
     else:
         weights = load_weights(model_dir, dtype)
-        quantized = {} if fmt == 'hf' else dict(gguf_w4a16_for(model_dir) or {})
-        head = None if fmt == 'hf' else gguf_head_w8a16_for(model_dir)
-        if head is not None:
-            quantized['lm_head.weight'] = head
+        quantized = {} if fmt == 'hf' else _gguf_matmuls(model_dir, config)
         fmt = 'gguf' if quantized else 'hf'
     return fuse_weights(config, weights, dtype, quantized), fmt
+
+
+def _gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
+    """The quantized matmuls of a GGUF conversion, per fused matmul: W4A16 when all its parts are
+    Q4_0 / Q4_1, else the file's blocks as stored when all its parts are of a block type the kernels
+    run (a mixed file's q/k/v in Q5_0, Q5_0 and Q8_0, say), else none (float); the lm_head in W8A16
+    when it is Q8_0, else its blocks."""
+    w4a16 = gguf_w4a16_for(model_dir) or {}
+    blocks = gguf_blocks_for(model_dir) or {}
+    quantized = {}
+    for n in range(config.num_layers):
+        for fused in LAYER_MATMULS:
+            parts = matmul_parts(n, fused)
+            source = w4a16 if all(p in w4a16 for p in parts) else blocks if all(p in blocks for p in parts) else {}
+            quantized.update({p: source[p] for p in parts if p in source})
+    head = gguf_head_w8a16_for(model_dir)
+    if head is None:
+        head = blocks.get('lm_head.weight')
+    if head is not None:
+        quantized['lm_head.weight'] = head
+    return quantized
 
 
 # ---- TurboMind's own layout -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 #include "core/py_tensor.h"
 #include "engine/engine.h"
+#include "cpu/gguf.h"
 #include "cpu/quant.h"
 #include "models/llama.h"
 
@@ -99,7 +100,27 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
             result->owners.append(obj);
             return v;
         };
-        if (tensors.contains(name + ".qweight")) {
+        if (tensors.contains(name + ".gguf_types")) {  // GGUF blocks as stored, in runs of one type
+            const std::string tn = name + ".gguf_types";
+            const TensorView types = view_of(tensors[py::str(tn)], tn.c_str());
+            expect(types.ndim == 1 && types.dtype == DType::i32 && types.contiguous() && types.size(0) > 0, tn.c_str(),
+                   types, "expected a contiguous int32 [parts] tensor of ggml type ids");
+            int64_t n0 = 0;
+            for (int64_t i = 0; i < types.size(0); ++i) {
+                const int type = types.ptr<int32_t>()[i];
+                const std::string pn = name + ".gguf." + std::to_string(i);
+                const int64_t row_bytes = cpu::gguf_row_bytes(type, K);
+                if (!row_bytes) fail("LlamaModel: " + tn + " names ggml type " + std::to_string(type) + ", which the kernels do not run with K = " + std::to_string(K));
+                if (!tensors.contains(pn)) fail("LlamaModel: missing weight " + pn);
+                const TensorView part = view_of(tensors[py::str(pn)], pn.c_str());
+                expect(part.ndim == 2 && part.size(1) == row_bytes, pn.c_str(), part,
+                       "expected uint8 [rows, " + std::to_string(row_bytes) + "] GGUF blocks");
+                lw.gguf.push_back({raw(pn, DType::u8, {part.size(0), row_bytes}), type, n0});
+                n0 += part.size(0);
+            }
+            if (n0 != N) fail("LlamaModel: the parts of " + name + " hold " + std::to_string(n0) + " rows, not " + std::to_string(N));
+            if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
+        } else if (tensors.contains(name + ".qweight")) {
             const std::string sn = name + ".scales";
             if (!tensors.contains(sn)) fail("LlamaModel: missing weight " + sn);
             const TensorView s = view_of(tensors[py::str(sn)], sn.c_str());

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "cpu/gemm.h"
+#include "cpu/gguf.h"
 #include "cpu/kernels.h"
 #include "cpu/quant.h"
 
@@ -39,8 +40,22 @@ struct Buffer {
 
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 
+// Columns [n0, n0 + n) of y (rows keep y's stride), and of a bias.
+TensorView columns(const TensorView & t, int64_t n0, int64_t n) {
+    TensorView v = t;
+    v.data = static_cast<uint8_t *>(t.data) + n0 * t.stride(t.ndim - 1) * dtype_size(t.dtype);
+    v.shape[t.ndim - 1] = n;
+    return v;
+}
+
 void apply(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
-    if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
+    if (!w.gguf.empty()) {
+        for (const GgufPart & p : w.gguf) {
+            const int64_t n = p.raw.size(0);
+            const TensorView bias = w.bias.data ? columns(w.bias, p.n0, n) : TensorView();
+            cpu::linear_gguf(x, p.raw, p.type, opt(bias), columns(y, p.n0, n), int8_activations);
+        }
+    } else if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
         cpu::linear_w8a8(x, w.qweight, w.scales, opt(w.bias), y);
     } else if (w.quantized() && w.qweight.dtype == DType::i8 && int8_activations) {
         cpu::linear_w8a8_group(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);

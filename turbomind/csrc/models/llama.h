@@ -39,15 +39,25 @@ struct LlamaConfig {
 // hands over); W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G], or the same
 // in panels 64 wide: int32 [P4, K/8, 64], float32 [P4, K/G, 64]); W8A16
 // (qweight int8 [N, K], scales float32 [N, K/G]); or W8A8 (qweight int8 [N, K], scales
-// float32 [N], activations quantized per token). G is per matmul: K / scales.size(1). Bias
+// float32 [N], activations quantized per token); or GGUF blocks as stored, in parts of one block
+// type each (`gguf`). G is per matmul: K / scales.size(1). Bias
 // [N]: the model dtype for float weights, float32 for quantized ones; or none.
+// GGUF blocks as the file stores them (lib/kernels/csrc/cpu/gguf.h): rows [n0, n0 + raw.size(0)) of
+// the matmul, of one ggml block type.
+struct GgufPart {
+    TensorView raw;  // uint8 [rows, K / QK * B]
+    int type = 0;
+    int64_t n0 = 0;
+};
+
 struct LinearWeights {
+    std::vector<GgufPart> gguf;  // when not empty: the matmul, in runs of one block type each
     TensorView weight;
     TensorView packed;
     TensorView qweight, scales, mins;
     int64_t group_size = 0;
     TensorView bias;
-    bool quantized() const { return qweight.data != nullptr; }
+    bool quantized() const { return qweight.data != nullptr || !gguf.empty(); }
 };
 
 struct LlamaLayerWeights {

@@ -140,6 +140,7 @@ void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
 
 void bind_quant(py::module_ & ops);  // bindings/quant.cc
 void bind_gemm(py::module_ & ops);   // bindings/gemm.cc
+void bind_gguf(py::module_ & ops);   // bindings/gguf.cc
 
 void bind_ops(py::module_ & m) {
     py::module_ ops = m.def_submodule("ops", "The CPU kernels on DLPack tensors");
@@ -177,6 +178,7 @@ void bind_ops(py::module_ & m) {
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
     bind_quant(ops);
+    bind_gguf(ops);
     bind_gemm(ops);
 }
 
