@@ -59,11 +59,11 @@ _GGUF_BLOCK = {
 }
 
 
-def _tiny_model(arch: str, tie: bool):
+def _tiny_model(arch: str, tie: bool, hidden_size: int = 64, intermediate_size: int = 96, head_dim: int = 16):
     cfg_cls, model_cls = (getattr(transformers, n) for n in TINY_ARCHS[arch])
     torch.manual_seed(0)
-    cfg = cfg_cls(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    cfg = cfg_cls(vocab_size=300, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
                   rms_norm_eps=1e-5, rope_theta=5e4, tie_word_embeddings=tie, bos_token_id=256, eos_token_id=257)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # norms start at 1.0: randomise so a swapped norm would show
@@ -73,8 +73,10 @@ def _tiny_model(arch: str, tie: bool):
     return model
 
 
-def _write_tiny_gguf(model, arch: str, path: str) -> None:
-    """``model`` as llama.cpp would write it (F32), with a tiny byte-level BPE tokenizer."""
+def _write_tiny_gguf(model, arch: str, path: str, blocks: dict | None = None) -> None:
+    """``model`` as llama.cpp would write it (F32), with a tiny byte-level BPE tokenizer; ``blocks``:
+    HF name -> (raw uint8 [rows, row bytes], ggml type name) written instead of that tensor."""
+    blocks = blocks or {}
     cfg = model.config
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -115,6 +117,14 @@ def _write_tiny_gguf(model, arch: str, path: str) -> None:
                 a = _llama_cpp_permute(a, cfg.num_attention_heads)
             elif arch == 'llama' and module == 'self_attn.k_proj':
                 a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+        if name in blocks:  # the rows of raw blocks move as the float rows would
+            raw, type_name = blocks[name]
+            heads = {'self_attn.q_proj': cfg.num_attention_heads, 'self_attn.k_proj': cfg.num_key_value_heads}
+            module = name.split('.', 3)[-1].rsplit('.', 1)[0]
+            if arch == 'llama' and module in heads:
+                raw = _llama_cpp_permute(raw, heads[module])
+            w.add_tensor(gname, np.ascontiguousarray(raw), raw_dtype=gguf.GGMLQuantizationType[type_name])
+            continue
         w.add_tensor(gname, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,4 +1,6 @@
-"""TurboMind on a GGUF file as llama.cpp's quantizer writes it: SmolLM2 in Q4_K_M, whose 576-wide
+"""TurboMind on GGUF files whose matmuls mix block types: a tiny Llama written with every type the
+kernels run (random blocks, so every bit pattern of codes and scales; needs nothing but gguf), and
+SmolLM2 as llama.cpp's quantizer writes it: SmolLM2 in Q4_K_M, whose 576-wide
 rows make it a mixed file (Q5_0 for most matmuls, attn_v in Q5_0 or Q8_0, ffn_down in Q4_K or Q6_K,
 the tied Q8_0 embedding as the head). Every matmul runs on the file's blocks as stored
 (ops.linear_gguf; the kernels against their reference in test_gguf_kernels.py), a fused q/k/v in
@@ -20,7 +22,52 @@ from test_pytorch_engine import generate
 from test_turbomind_formats import hf_logits, tokens
 from test_turbomind_model import tm_chunked
 
-pytest.importorskip('llama_cpp', reason='llama-cpp-python writes the Q4_K_M file (benchmark/setup_llamacpp.sh)')
+# the tiny model's matmuls: each layer its own mix (hidden 256 and 512 so k-quant rows fit)
+TINY_TYPES = [
+    {'q_proj': 'Q4_K', 'k_proj': 'Q5_K', 'v_proj': 'Q6_K', 'o_proj': 'Q5_0', 'gate_proj': 'Q4_1',
+     'up_proj': 'Q5_1', 'down_proj': 'IQ4_NL'},
+    {'q_proj': 'Q8_0', 'k_proj': 'Q8_0', 'v_proj': 'Q4_0', 'o_proj': 'Q6_K', 'gate_proj': 'Q4_K',
+     'up_proj': 'Q4_K', 'down_proj': 'Q5_K'},
+]
+
+
+@pytest.fixture(scope='module')
+def tiny_mixed_dir(tmp_path_factory) -> str:
+    from test_gguf_kernels import random_blocks
+    from test_model_loading import _tiny_model, _write_tiny_gguf
+
+    from lmd.model_path import prepare_model_dir
+    model = _tiny_model('llama', tie=False, hidden_size=256, intermediate_size=512, head_dim=64)
+    blocks = {}
+    for layer, types in enumerate(TINY_TYPES):
+        for name, t in model.model.layers[layer].named_parameters():
+            part = name.split('.')[1]
+            if part in types:
+                hf = f'model.layers.{layer}.{name}'
+                blocks[hf] = (random_blocks(types[part], t.shape[0], t.shape[1], seed=len(blocks)).numpy(), types[part])
+    blocks['lm_head.weight'] = (random_blocks('Q6_K', 300, 256, seed=99).numpy(), 'Q6_K')
+    path = str(tmp_path_factory.mktemp('mixed') / 'tiny-mixed.gguf')
+    _write_tiny_gguf(model, 'llama', path, blocks)
+    return prepare_model_dir(path)
+
+
+def test_a_tiny_model_of_every_type_equals_hf(tiny_mixed_dir):
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_mixed_dir, dtype=torch.float32).eval()
+    model = tm(tiny_mixed_dir)
+    assert set(model.linear_formats.values()) == {'gguf'}  # the Q6_K head too
+    assert [v.tolist() for n, v in model.tensors.items() if n == 'layers.0.qkv.gguf_types'] == [[12, 13, 14]]
+    toks = [t % 250 for t in tokens(24, seed=3)]
+    want = hf_logits(hf, toks)
+    for int8 in (False, True):
+        got = tm_chunked(tm(tiny_mixed_dir, int8), toks, prefill_chunks=[9, 7])
+        err = (got - want).abs().max().item() / (want.max() - want.min()).item()
+        assert err < (0.04 if int8 else 1e-5), (int8, err)
+
+
+needs_llama_cpp = pytest.mark.skipif(
+    __import__('importlib').util.find_spec('llama_cpp') is None,
+    reason='llama-cpp-python writes the Q4_K_M file (benchmark/setup_llamacpp.sh)')
 
 
 @pytest.fixture(scope='module')
@@ -44,6 +91,7 @@ def tm(model_dir: str, int8: bool = False) -> TurbomindModel:
     return TurbomindModel.from_fused(config, tensors, torch.float32, 64, 4, int8_activations=int8)
 
 
+@needs_llama_cpp
 def test_every_matmul_runs_on_the_files_blocks(q4km_dir):
     model = tm(q4km_dir)
     formats = model.linear_formats
@@ -57,6 +105,7 @@ def test_every_matmul_runs_on_the_files_blocks(q4km_dir):
     assert raw < 0.7 * 4 * sum(model.config.hidden_size * n for n in (3 * 576, 576, 2 * 1536, 1536)) * 30 / 4
 
 
+@needs_llama_cpp
 def test_logits_and_greedy_tokens_equal_hf_on_the_same_file(q4km_dir, hf):
     toks = [t + 100 for t in tokens(40, seed=7)]
     got = tm_chunked(tm(q4km_dir), toks, prefill_chunks=[24])
@@ -75,6 +124,7 @@ def test_logits_and_greedy_tokens_equal_hf_on_the_same_file(q4km_dir, hf):
     assert out[0] == ref[12:]
 
 
+@needs_llama_cpp
 def test_int8_activations_predict_as_hf(q4km_dir, hf):
     """llama.cpp's arithmetic (x in Q8 blocks): close to HF, not equal (as for Q4_1 in
     test_turbomind_w4a8.py)."""
