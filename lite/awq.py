@@ -43,15 +43,20 @@ def quantize_w4(w: torch.Tensor, group_size: int, sym: bool = False):
     0..15; symmetric: max |w| is 7 steps and zeros are 8. The fp16 scales are the ones rounded with."""
     n, k = w.shape
     g = w.float().reshape(n, k // group_size, group_size)
-    if sym:
-        scales = (g.abs().amax(-1) / 7).clamp(min=1e-5).half()
-        zeros = torch.full_like(scales, 8, dtype=torch.float32)
-    else:
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / 15).clamp(min=1e-5).half()
-        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    scales, zeros = group_params(g, sym)
     q = (torch.round(g / scales.float()[..., None]) + zeros[..., None]).clamp(0, 15)
     return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def group_params(g: torch.Tensor, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """g [..., G] float32 weights of groups -> (scales fp16 [...], zeros float32 [...] in 0..15): asymmetric,
+    the group's [min, max] spans 0..15; symmetric, max |w| is 7 steps and zeros are 8."""
+    if sym:
+        scales = (g.abs().amax(-1) / 7).clamp(min=1e-5).half()
+        return scales, torch.full_like(scales, 8, dtype=torch.float32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-5).half()
+    return scales, torch.round(-lo / scales.float()).clamp(0, 15)
 
 
 def dequantize_w4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -123,7 +128,7 @@ def check_group_size(model, w_group_size: int) -> None:
         raise ValueError(f'--w-group-size {w_group_size} is invalid: it must be a multiple of {KERNEL_GROUP}{hint}')
     for name, m in linears.items():
         if m.out_features % 8:
-            raise ValueError(f'{name} has {m.out_features} out_features; AWQ packs them 8 to an int32')
+            raise ValueError(f'{name} has {m.out_features} out_features; 4-bit checkpoints pack them 8 to an int32')
         if m.in_features % w_group_size:
             raise ValueError(f'--w-group-size {w_group_size} does not divide the {m.in_features} in_features of '
                              f'{name}{hint}')

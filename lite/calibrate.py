@@ -94,11 +94,13 @@ class LayerwiseRunner:
         self.hidden = torch.cat(hidden)  # [num_samples, seqlen, hidden]: the input of the next layer to run
 
     @torch.no_grad()
-    def run(self, i: int) -> None:
-        """Push every sample through layer ``i``; its outputs become the next layer's inputs."""
+    def run(self, i: int, update: bool = True) -> None:
+        """Push every sample through layer ``i``; its outputs become the next layer's inputs (``update``)
+        or are dropped (a pass for the hooks alone)."""
         for x in self.hidden.split(self.batch_size):
             out = self.layers[i](x, **self.layer_kwargs[len(x)][i])
-            x.copy_(out[0] if isinstance(out, tuple) else out)
+            if update:
+                x.copy_(out[0] if isinstance(out, tuple) else out)
 
 
 class InputStats:

@@ -43,7 +43,7 @@ def _earlier_output(path: str) -> bool:
             method = (json.load(f).get('quantization_config') or {}).get('quant_method')
     except (OSError, ValueError):
         return False
-    return method in ('awq', 'smooth_quant')
+    return method in ('awq', 'gptq', 'smooth_quant')
 
 
 def _usual_modes(path: str) -> None:

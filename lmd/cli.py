@@ -68,6 +68,35 @@ def auto_awq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_s
     print(f'wrote {path}')
 
 
+def gptq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_samples: int = 128,
+         calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False, w_group_size: int = 128,
+         damp: float = 0.01, dtype: str = 'float32'):
+    """Quantize a model's matmul weights to 4 bits with GPTQ (each column's rounding error compensated
+    by the columns after it, layer by layer on the quantized layers' outputs) and write an AutoGPTQ
+    (v1) checkpoint.
+
+    Args:
+        model: a float Llama / Qwen2 / Qwen3 / Mistral model directory, or 'smollm2'.
+        work_dir: the directory to write.
+        calib_dataset: 'pydoc', a .txt or .jsonl ("text" field) file, or a Hugging Face dataset id.
+        calib_samples: how many windows of text.
+        calib_seqlen: tokens per window.
+        batch_size: windows run through a layer at once.
+        w_bits: weight bits; 4.
+        w_sym: symmetric weights (zero points of 8).
+        w_group_size: input channels per quantization group, a multiple of 32 dividing every layer's in_features.
+        damp: added to the Hessian's diagonal, as a fraction of its mean (GPTQ's percdamp).
+        dtype: float32, bfloat16 or float16 for the model while calibrating.
+    """
+    from lmd.lite.gptq import gptq
+
+    def log(i, seconds):
+        print(f'layer {i}: {seconds:.1f} s', file=sys.stderr, flush=True)
+    path = gptq(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits, w_sym, w_group_size,
+                damp, dtype, log)
+    print(f'wrote {path}')
+
+
 def smooth_quant(model: str, work_dir: str, *, alpha: float = 0.5, calib_dataset: str = 'pydoc',
                  calib_samples: int = 128, calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 8,
                  dtype: str = 'float32'):
@@ -147,7 +176,8 @@ def convert(model_path: str, out_dir: str, *, backend: str | None = None, dtype:
 
 
 LITE = Group('lmd lite: quantize a float model and measure what it costs.',
-             dict(calibrate=calibrate, auto_awq=auto_awq, smooth_quant=smooth_quant, eval_ppl=eval_ppl))
+             dict(calibrate=calibrate, auto_awq=auto_awq, gptq=gptq, smooth_quant=smooth_quant,
+                  eval_ppl=eval_ppl))
 
 SERVE = Group('lmd serve: put a model behind a server, or talk to one.', dict(
     api_server=lazy('lmd.serve.api_server:serve'),
