@@ -19,7 +19,7 @@ CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'p
 # come later).
 TURBOMIND_ARCHITECTURES = frozenset({'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM',
                                      'Qwen3ForCausalLM'})
-TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gguf'})
+TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'})
 TURBOMIND_DEVICES = frozenset({'cpu'})
 
 

@@ -129,7 +129,8 @@ def eval_ppl(model: str, *, text: str | None = None, model_format: str | None = 
     Args:
         model: a model directory (float, AWQ, W8A8), a .gguf file, or 'smollm2'.
         text: a UTF-8 .txt file; by default English prose shipped with Python that calibration never uses.
-        model_format: None (from config.json), 'hf', 'awq', 'w8a8' or 'gguf'.
+        model_format: None (from config.json), 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8'
+            or 'gguf'.
         quant_policy: KV cache: 0 as the model, 8 int8, 4 int4.
         backend: 'auto' (TurboMind where it runs the model, else PyTorch), 'turbomind', 'pytorch', or 'hf'
             (HF transformers, the float reference).

@@ -188,7 +188,7 @@ class ModelInfo:
     session_len: int
     eos_token_ids: tuple[int, ...]
     architecture: str
-    model_format: str = 'hf'  # how the weights run: 'hf' (float), 'awq', 'w8a8' or 'gguf'
+    model_format: str = 'hf'  # how the weights run: 'hf' (float), 'gguf' or a quantized checkpoint's format
 
 
 class Engine(ABC):

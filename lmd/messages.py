@@ -151,7 +151,8 @@ class EngineConfig:
             _fail(c, 'enable_prefix_caching', self.enable_prefix_caching, 'expected True or False')
         _check_choice(c, 'quant_policy', self.quant_policy, (0, 4, 8))
         _check_range(c, 'tp', self.tp, lo=1, integer=True)
-        _check_choice(c, 'model_format', self.model_format, (None, 'hf', 'awq', 'w8a8', 'gguf'))
+        _check_choice(c, 'model_format', self.model_format,
+                      (None, 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'))
         _check_choice(c, 'dtype', self.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
         if self.max_prefill_token_num is not None:
             _check_range(c, 'max_prefill_token_num', self.max_prefill_token_num, lo=1, integer=True)

@@ -16,9 +16,11 @@ SUPPORTED_ARCHITECTURES = {
     'Qwen3ForCausalLM': 'qwen3',
 }
 
-# config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's names);
+# config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's and vLLM's names);
 # the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
-QUANT_METHODS = {'awq': 'awq', 'smooth_quant': 'w8a8'}
+QUANT_METHODS = {'awq': 'awq', 'smooth_quant': 'w8a8', 'gptq': 'gptq', 'compressed-tensors': 'compressed-tensors',
+                 'fp8': 'fp8'}
+QUANTIZED_FORMATS = frozenset(QUANT_METHODS.values())
 
 
 class ModelConfigError(ModelFormatError):
@@ -51,7 +53,7 @@ class ModelConfig:
 
     @property
     def model_format(self) -> str:
-        """The weight format config.json declares: 'awq', 'w8a8' (quantization_config), or 'hf' (float)."""
+        """The weight format config.json declares: one of ``QUANTIZED_FORMATS`` (quantization_config), or 'hf'."""
         return QUANT_METHODS[self.quantization_config['quant_method']] if self.quantization_config else 'hf'
 
     @staticmethod
@@ -68,7 +70,7 @@ class ModelConfig:
             method = quant.get('quant_method') if isinstance(quant, dict) else quant
             raise ModelConfigError(
                 f'{where}: quantization_config.quant_method {method!r} is not supported; lmd reads '
-                "'awq' (W4A16) and 'smooth_quant' (W8A8) checkpoints")
+                + ', '.join(repr(m) for m in QUANT_METHODS) + ' checkpoints')
         try:
             hidden = int(cfg['hidden_size'])
             num_heads = int(cfg['num_attention_heads'])

@@ -24,10 +24,10 @@ from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelI
                         SamplingParams, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.messages import PytorchEngineConfig
-from lmd.model_config import ModelConfig
+from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 from lmd.weights.dtype import resolve_dtype
 from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
-from lmd.weights.source_format import awq_linears, source_format, w8a8_linears
+from lmd.weights.source_format import quantized_linears, source_format
 from lmd.weights.turbomind_layout import is_converted
 
 from .block_manager import BlockManager
@@ -65,9 +65,9 @@ class _Call:
 def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
                        dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple], str]:
     """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'; a GGUF
-    conversion's dequantized weights included), or AWQ / W8A8, detected from config.json as
-    TurboMind detects it, whose matmuls stay quantized (HF weight name -> a layout of
-    ``lmd.weights.quant_layouts``). TurboMind's own layout is refused."""
+    conversion's dequantized weights included), or quantized (AWQ, W8A8, GPTQ, compressed-tensors, FP8),
+    detected from config.json as TurboMind detects it, whose matmuls stay quantized (HF weight name -> a
+    layout of ``lmd.weights.quant_layouts``; FP8 ones are dequantized). TurboMind's own layout is refused."""
     from lmd.model_loader import load_weights
 
     if is_converted(model_dir):
@@ -76,10 +76,10 @@ def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None
                                'without --backend turbomind')
     fmt = source_format(model_dir, mc, model_format)
     where = os.path.join(model_dir, '')
-    if fmt not in ('awq', 'w8a8'):
+    if fmt not in QUANTIZED_FORMATS:
         return load_weights(model_dir, dtype), {}, 'hf'
     weights = load_weights(model_dir)  # as stored: the quantized layout keeps fp16 scales exact in float32
-    quantized = (awq_linears if fmt == 'awq' else w8a8_linears)(weights, mc.quantization_config, where)
+    quantized = quantized_linears(fmt, weights, mc.quantization_config, where)
     stray = [f'{n!r} ({t.dtype})' for n, t in weights.items() if not t.is_floating_point()]
     if stray:
         raise ModelFormatError(f'{where}: {fmt} checkpoint with integer tensors that belong to no quantized '

@@ -177,9 +177,9 @@ def test_awq_checkpoint_layout_checks(tmp_path):
     save_file(weights, tmp_path / 'model.safetensors')
     with pytest.raises(ModelFormatError, match="'model.layers.1.mlp.up_proj.qzeros' is missing"):
         TurbomindEngine(str(tmp_path), TurbomindEngineConfig(**ENGINE))
-    cfg['quantization_config']['quant_method'] = 'gptq'
+    cfg['quantization_config']['quant_method'] = 'bitsandbytes'
     json.dump(cfg, open(tmp_path / 'config.json', 'w'))
-    with pytest.raises(ModelFormatError, match="quant_method 'gptq' is not supported"):
+    with pytest.raises(ModelFormatError, match="quant_method 'bitsandbytes' is not supported"):
         ModelConfig.from_dir(str(tmp_path))
 
 

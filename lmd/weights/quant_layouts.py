@@ -13,6 +13,11 @@ Each source maps onto it exactly (the float32 dequantization is bit-for-bit the 
     GGUF Q4_0  w = d * (q - 8)      scale = d,  min = -8 d      (fp16 d, G = 32)
     GGUF Q4_1  w = d * q + m        scale = d,  min = m         (fp16 d and m, G = 32)
     AWQ        w = (q - z) * s      scale = s,  min = -z s      (fp16 s, integer z)
+    GPTQ, compressed-tensors int4   as AWQ (fp16 / bf16 s, integer z in 0..16; ``from_int4_groups``)
+
+Groups that are not runs of consecutive k (GPTQ act-order: g_idx assigns each k a group) become runs
+once k is permuted (``act_order``): the matmul then reads its input permuted, x[:, perm], and the
+weight holds its k in perm's order. Such a W4A16 matmul is the tuple (qweight, scales, mins, perm).
 
 W8A16 (``ops.linear_w8a16``): int8 weights in groups of G (a multiple of 32) with float scales,
 
@@ -30,7 +35,8 @@ A fused matmul keeps its format under ``<name>.qweight``, ``.scales`` (and ``.mi
 the kernels tell the formats apart by what is there (mins; the scales' rank), and read the
 group size of each matmul as K // scales.shape[1].
 
-The checkpoints that hold them (AWQ, W8A8) are read in ``source_format.py``.
+The checkpoints that hold them are read in ``source_format.py`` (AWQ, W8A8), ``gptq.py`` and
+``compressed_tensors.py``.
 """
 from __future__ import annotations
 
@@ -168,6 +174,48 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
     z = awq_unpack(qzeros).T.float()                        # [N, K // G]
     s = scales.T.float().contiguous()
     return pack_int4(q), s, (-z * s).contiguous()            # z * s: exact in float32
+
+
+def unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 packed along ``dim`` (0 or 1), nibble i (bits 4i..4i+3) of each word holding element 8 j + i
+    of its eight along ``dim`` (GPTQ's and compressed-tensors' order) -> uint8 with 8x the size there."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    if dim == 0:
+        nibbles = (packed.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 0xF   # [rows, 8, cols]
+        return nibbles.reshape(-1, packed.shape[1]).to(torch.uint8)
+    nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF                       # [rows, cols, 8]
+    return nibbles.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def act_order(g_idx: torch.Tensor, num_groups: int) -> torch.Tensor | None:
+    """g_idx int [K], the group of each k -> perm int32 [K]: k sorted by group (stably), so that permuted k j
+    lies in group j // G, G = K / num_groups; None where that is the identity (g_idx = k // G).
+    ValueError unless every group holds exactly G k."""
+    k = g_idx.numel()
+    g = g_idx.reshape(-1).to(torch.int64)
+    if k % num_groups or int(g.min()) < 0 or int(g.max()) >= num_groups \
+            or bool((torch.bincount(g, minlength=num_groups) != k // num_groups).any()):
+        raise ValueError(f'g_idx does not give each of the {num_groups} groups K / {num_groups} = '
+                         f'{k / num_groups:g} of the K = {k} inputs')
+    perm = torch.sort(g, stable=True).indices
+    return None if torch.equal(perm, torch.arange(k)) else perm.to(torch.int32)
+
+
+def from_int4_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None = None):
+    """w[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)] with g(k) = g_idx[k] (k // G without g_idx;
+    q uint8 [N, K] in 0..15, zeros integers in 0..16, scales [N, K // G]) -> W4A16 (qweight, scales, mins),
+    or (qweight, scales, mins, perm) over x[:, perm] where the groups are not runs (``act_order``).
+    min = -z s: exact in float32 for 16-bit scales, as the product q s is."""
+    (n, k), num_groups = q.shape, scales.shape[1]
+    if k % num_groups or (k // num_groups) % 32:
+        raise ValueError(f'{num_groups} groups of K = {k}: the group size must be a multiple of 32 '
+                         '(the W4A16 kernel\'s groups)')
+    s = scales.float().contiguous()
+    mins = (-zeros.float() * s).contiguous()
+    perm = None if g_idx is None else act_order(g_idx, num_groups)
+    if perm is None:
+        return pack_int4(q.contiguous()), s, mins
+    return pack_int4(q[:, perm.long()].contiguous()), s, mins, perm
 
 
 def dequantize_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

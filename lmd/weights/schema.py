@@ -4,8 +4,11 @@ shapes, ``check_weights``) and how its matmuls fuse, in one place for both engin
 A decoder layer runs four matmuls (``LAYER_MATMULS``): q/k/v fused into ``qkv``
 ([(Hq + 2 Hk) * D, H]), ``o``, gate/up fused into ``gate_up`` ([2 I, H]) and ``down``; the
 parts are concatenated along N, biases alike. A quantized matmul (``quant_layouts.py``) is a
-tuple standing for its [N, K] weight: (qweight, scales, mins) W4A16, (qweight int8, scales
-[N, K / G]) W8A16, (qweight int8, scales [N]) W8A8; fused, each field is concatenated along N.
+tuple standing for its [N, K] weight: (qweight, scales, mins) W4A16, (qweight, scales, mins, perm)
+W4A16 over x[:, perm] (GPTQ act-order), (qweight int8, scales [N, K / G]) W8A16, (qweight int8, scales
+[N]) W8A8; fused, each field is concatenated along N (``fuse_quantized``), except where the parts read
+differently permuted inputs: those stay parts, ``<name>.part.<i>.qweight`` ..., each the next
+``<name>.part_rows[i]`` rows of the output with its own ``_bias``.
 (raw uint8, type int32 [1]) is GGUF blocks as stored; fused, the parts go in runs of one block type
 (``<name>.gguf.<i>``, their types in ``<name>.gguf_types``), each run its own columns of the output.
 
@@ -102,12 +105,26 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None
                                + '; '.join(problems[:8]) + more)
 
 
+_DTYPE_CHECKS = {'int32': lambda t: t.dtype == torch.int32, 'int8': lambda t: t.dtype == torch.int8,
+                 'float': lambda t: t.is_floating_point()}
+
+
+def take_tensor(weights: dict[str, torch.Tensor], name: str, kind: str, where: str) -> torch.Tensor:
+    """weights.pop(name): a 2-D tensor of ``kind`` ('int32', 'int8', 'float'), else ModelFormatError naming it."""
+    t = weights.pop(name, None)
+    if t is None or t.dim() != 2 or not _DTYPE_CHECKS[kind](t):
+        got = 'missing' if t is None else f'{t.dtype} {list(t.shape)}'
+        raise ModelFormatError(f'{where}: tensor {name!r} is {got}; expected a 2-D {kind} tensor')
+    return t
+
+
 def dense_shape(parts: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     """[N, K] of the weight a quantized tuple stands for (W4A16 packs two values a byte)."""
-    if quant_format(parts) == 'gguf':
+    fmt = quant_format(parts)
+    if fmt == 'gguf':
         return gguf_block_shape(parts[0], int(parts[1][0]))
     n, cols = parts[0].shape
-    return n, cols * 2 if len(parts) == 3 else cols
+    return n, cols * 2 if fmt == 'w4a16' else cols
 
 
 def check_quantized_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -121,11 +138,26 @@ def check_quantized_weights(config: ModelConfig, weights: dict[str, torch.Tensor
 def quant_format(parts: tuple[torch.Tensor, ...]) -> str:
     """The layout of a quantized matmul: 'w4a16', 'w8a16' or 'w8a8' (``quant_layouts.py``), or 'gguf'
     (raw GGUF blocks and their type, ``gguf_linears.read_gguf_blocks``)."""
-    if len(parts) == 3:
+    if len(parts) in (3, 4):
         return 'w4a16'
     if parts[0].dtype == torch.uint8:
         return 'gguf'
     return 'w8a8' if parts[1].dim() == 1 else 'w8a16'
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+
+def fuse_quantized(qs: list[tuple]) -> tuple | list[tuple]:
+    """The quantized parts of a fused matmul (one format and group count) as one: each field concatenated
+    along N, a W4A16 input permutation kept once. Parts that read differently permuted inputs (GPTQ
+    act-order, each part its own g_idx) cannot share one gathered x: they stay a list, in order."""
+    perms = [q[3] if len(q) == 4 else None for q in qs]
+    if not all(_same_perm(p, perms[0]) for p in perms[1:]):
+        return list(qs)
+    fused = tuple(torch.cat(fields, dim=0).contiguous() for fields in zip(*(q[:3] for q in qs)))
+    return fused if perms[0] is None else (*fused, perms[0])
 
 
 def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -149,6 +181,9 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
             return None
         return torch.cat([weights[n].to(dt) for n in names], dim=0).contiguous()
 
+    def put_quantized(name: str, q: tuple) -> None:
+        out.update({f'{name}.{field}': t for field, t in zip(('qweight', 'scales', 'mins', 'perm'), q)})
+
     def linear(name: str, parts: list[str], bias_parts: list[str]) -> None:
         qs = [quantized.get(p) for p in parts]
         if all(q is not None and quant_format(q) == 'gguf' for q in qs):
@@ -164,9 +199,15 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
             out[f'{name}.gguf_types'] = torch.tensor([t for t, _ in runs], dtype=torch.int32)
             out[name + '_bias'] = cat(bias_parts, torch.float32)
         elif all(q is not None for q in qs) and len({(quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
-            for i, field in enumerate(('qweight', 'scales', 'mins')[:len(qs[0])]):
-                out[f'{name}.{field}'] = torch.cat([q[i] for q in qs], dim=0).contiguous()
-            out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
+            fused = fuse_quantized(qs)
+            if isinstance(fused, list):  # parts over differently permuted x, each with its rows of the bias
+                for i, (q, b) in enumerate(zip(fused, bias_parts)):
+                    put_quantized(f'{name}.part.{i}', q)
+                    out[f'{name}.part.{i}_bias'] = cat([b], torch.float32)
+                out[name + '.part_rows'] = torch.tensor([q[0].shape[0] for q in fused], dtype=torch.int32)
+            else:
+                put_quantized(name, fused)
+                out[name + '_bias'] = cat(bias_parts, torch.float32)  # the quantized kernels take a float32 bias
         elif all(p in weights for p in parts):
             out[name], out[name + '_bias'] = cat(parts), cat(bias_parts)
         else:
@@ -199,6 +240,7 @@ def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
     """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16', 'w8a8' or 'gguf' (``fuse_weights``'
     output)."""
     names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
-    return {n: 'gguf' if n + '.gguf_types' in tensors else 'float' if n + '.qweight' not in tensors else
+    return {n: 'gguf' if n + '.gguf_types' in tensors else 'w4a16' if n + '.part_rows' in tensors else
+            'float' if n + '.qweight' not in tensors else
             quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))
             for n in names}

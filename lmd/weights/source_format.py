@@ -27,38 +27,41 @@ from __future__ import annotations
 import torch
 
 from lmd.errors import ModelFormatError
-from lmd.model_config import ModelConfig
+from lmd.model_config import QUANT_METHODS, QUANTIZED_FORMATS, ModelConfig
 
+from .compressed_tensors import compressed_tensors_linears
+from .fp8 import fp8_linears
+from .gptq import gptq_linears
 from .quant_layouts import from_awq
+from .schema import take_tensor
 
 
 def source_format(model_dir: str, config: ModelConfig, model_format: str | None) -> str:
-    """How a (not converted) ``model_dir`` is read: 'hf', 'gguf', 'awq' or 'w8a8'."""
+    """How a (not converted) ``model_dir`` is read: 'hf', 'gguf', or the quantized format its config.json
+    declares (``QUANT_METHODS``' values)."""
     declared = config.model_format
     if declared != 'hf' and model_format not in (None, declared):
         raise ModelFormatError(
             f"{model_dir} is a {declared} checkpoint (config.json quantization_config.quant_method "
             f"{config.quantization_config['quant_method']!r}) but model_format={model_format!r}; "
             f"use model_format={declared!r} or None")
-    if declared == 'hf' and model_format in ('awq', 'w8a8'):
+    if declared == 'hf' and model_format in QUANTIZED_FORMATS:
+        methods = ' or '.join(repr(m) for m, f in QUANT_METHODS.items() if f == model_format)
         raise ModelFormatError(f"model_format={model_format!r}, but {model_dir}/config.json has no "
-                               "quantization_config saying so (quant_method 'awq' or 'smooth_quant')")
+                               f"quantization_config saying so (quant_method {methods})")
     if declared != 'hf' or model_format == 'hf':
         return declared
     return 'gguf'  # 'gguf' or None: a GGUF conversion's quantized matmuls, if it is one
 
 
-_DTYPE_CHECKS = {'int32': lambda t: t.dtype == torch.int32, 'int8': lambda t: t.dtype == torch.int8,
-                 'float': lambda t: t.is_floating_point()}
-
-
-def _take(weights: dict[str, torch.Tensor], name: str, kind: str, where: str) -> torch.Tensor:
-    """weights.pop(name): a 2-D tensor of ``kind`` ('int32', 'int8', 'float')."""
-    t = weights.pop(name, None)
-    if t is None or t.dim() != 2 or not _DTYPE_CHECKS[kind](t):
-        got = 'missing' if t is None else f'{t.dtype} {list(t.shape)}'
-        raise ModelFormatError(f'{where}: tensor {name!r} is {got}; expected a 2-D {kind} tensor')
-    return t
+def quantized_linears(fmt: str, weights: dict[str, torch.Tensor], quant_config: dict | None,
+                      where: str = 'the checkpoint') -> dict[str, tuple]:
+    """Take the quantized matmuls of a ``fmt`` checkpoint (one of ``QUANTIZED_FORMATS``, its tensors read as
+    stored) out of ``weights``: HF weight name -> its layout (``quant_layouts.py``). FP8 matmuls are
+    dequantized in place instead, into float32 ``X.weight``."""
+    readers = {'awq': awq_linears, 'w8a8': w8a8_linears, 'gptq': gptq_linears,
+               'compressed-tensors': compressed_tensors_linears, 'fp8': fp8_linears}
+    return readers[fmt](weights, quant_config, where)
 
 
 def awq_linears(weights: dict[str, torch.Tensor], quant_config: dict | None,
@@ -77,9 +80,9 @@ def awq_linears(weights: dict[str, torch.Tensor], quant_config: dict | None,
             raise ModelFormatError(f'{where}: AWQ quantization_config {cfg}: {problem}')
     out = {}
     for base in [n[:-len('.qweight')] for n in weights if n.endswith('.qweight')]:
-        qweight = _take(weights, base + '.qweight', 'int32', where)
-        qzeros = _take(weights, base + '.qzeros', 'int32', where)
-        scales = _take(weights, base + '.scales', 'float', where)
+        qweight = take_tensor(weights, base + '.qweight', 'int32', where)
+        qzeros = take_tensor(weights, base + '.qzeros', 'int32', where)
+        scales = take_tensor(weights, base + '.scales', 'float', where)
         if scales.shape[0] * group_size != qweight.shape[0]:
             raise ModelFormatError(f'{where}: tensor {base + ".scales"!r} has {scales.shape[0]} groups, expected '
                                    f'K / group_size = {qweight.shape[0]} / {group_size}')
@@ -102,7 +105,7 @@ def w8a8_linears(weights: dict[str, torch.Tensor], quant_config: dict | None,
                                "activation_scheme 'dynamic_per_token'")
     out = {}
     for name in [n[:-len('_scale')] for n in weights if n.endswith('.weight_scale')]:
-        qweight = _take(weights, name, 'int8', where)
+        qweight = take_tensor(weights, name, 'int8', where)
         scales = weights.pop(name + '_scale')
         n = qweight.shape[0]
         if not scales.is_floating_point() or tuple(scales.shape) not in ((n,), (n, 1)):

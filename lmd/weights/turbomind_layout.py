@@ -11,7 +11,8 @@ C++: the GEMM panels are packed at load (``lmd.turbomind.model.pack_matmuls``).
 - a GGUF conversion (``lmd convert X.gguf``): its Q4_0/Q4_1 matmuls in W4A16, a Q8_0 lm_head in
   W8A16, and the other block types (k-quants, Q5_0 ..., a mixed file's parts) as the file stores them,
   bit-exact ('gguf'; 'hf' runs its float weights instead);
-- an AWQ or W8A8 checkpoint ('awq', 'w8a8'; ``source_format.py``), detected from config.json;
+- a quantized checkpoint ('awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8'; ``source_format.py``),
+  detected from config.json;
 - a directory in TurboMind's own layout, which ``export`` writes (the tensors come fused)::
 
     OUT/config.json, tokenizer.json, tokenizer_config.json, generation_config.json, ...
@@ -40,13 +41,13 @@ import torch
 
 from lmd.conversion import TURBOMIND_CONFIG
 from lmd.errors import ModelFormatError
-from lmd.model_config import ModelConfig
+from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 
 from .dtype import DTYPE_NAMES, DTYPES, resolve_dtype
 from .gguf_linears import gguf_blocks_for, gguf_head_w8a16_for, gguf_w4a16_for
 from .rope import build_cos_sin_cache
 from .schema import LAYER_MATMULS, fuse_weights, linear_formats, matmul_parts
-from .source_format import awq_linears, source_format, w8a8_linears
+from .source_format import quantized_linears, source_format
 
 FORMAT = 'lmd-turbomind'
 FORMAT_VERSION = 1
@@ -75,13 +76,9 @@ def load_fused(model_dir: str, config: ModelConfig, dtype: torch.dtype,
     if is_converted(model_dir):
         return read(model_dir, config, dtype, model_format)
     fmt = source_format(model_dir, config, model_format)
-    where = os.path.join(model_dir, '')
-    if fmt == 'awq':  # read as stored: fp16 scales cast to bfloat16 would not be exact
+    if fmt in QUANTIZED_FORMATS:  # read as stored: fp16 scales cast to bfloat16 would not be exact
         weights = load_weights(model_dir)
-        quantized = awq_linears(weights, config.quantization_config, where)
-    elif fmt == 'w8a8':
-        weights = load_weights(model_dir)
-        quantized = w8a8_linears(weights, config.quantization_config, where)
+        quantized = quantized_linears(fmt, weights, config.quantization_config, os.path.join(model_dir, ''))
     else:
         weights = load_weights(model_dir, dtype)
         quantized = {} if fmt == 'hf' else _gguf_matmuls(model_dir, config)

@@ -11,9 +11,11 @@ torch version wherever it has none of its own; ``cuda`` runs lmd's own CUDA kern
 the default stays 'triton' until the 'cuda' backend has passed tests/test_gpu.py on a GPU.
 
 A linear layer's parameters go through ``prepare_linear(weight, bias)`` once at
-load; ``linear(x, prepared)`` takes what it returned. A quantized weight (AWQ's W4A16,
+load; ``linear(x, prepared)`` takes what it returned. A quantized weight (W4A16, W8A16,
 W8A8) stays quantized: the torch kernels dequantize it at each call (the reference),
 the native ones run TurboMind's quantized matmuls; the triton backend borrows torch's.
+Models prepare through ``prepare_matmul``, which also takes the two forms no backend needs a
+kernel for: a W4A16 matmul over permuted x (GPTQ act-order) and a matmul in parts.
 The KV-cache kernels take ``k_params=``, ``v_params=`` for a quantized cache
 (quant_policy 8 / 4); a backend without a quantized path of its own borrows torch's.
 """
@@ -24,6 +26,8 @@ from functools import partial
 from typing import Callable
 
 import torch
+
+from lmd.weights.schema import dense_shape
 
 from . import torch_ops
 
@@ -162,3 +166,38 @@ def get_kernels(device: torch.device | str = 'cpu', backend: str | None = None) 
     if backend == 'cuda':
         return _cuda_kernels(device)
     raise ValueError(f'unknown kernel backend {backend!r}; choose one of {", ".join(BACKENDS)}')
+
+
+class PermutedLinear:
+    """A matmul over x's columns gathered, x[:, perm] (its weight holds k in perm's order)."""
+    __slots__ = ('perm', 'params', 'linear')
+
+    def __init__(self, perm: torch.Tensor, params, linear: Callable):
+        self.perm, self.params, self.linear = perm, params, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.index_select(-1, self.perm), self.params)
+
+
+class LinearParts:
+    """A matmul in parts, each the next columns of the output."""
+    __slots__ = ('parts', 'linear')
+
+    def __init__(self, parts: list, linear: Callable):
+        self.parts, self.linear = parts, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.linear(x, p) for p in self.parts], dim=-1)
+
+
+def prepare_matmul(kern: Kernels, weight: torch.Tensor | tuple | list, bias: torch.Tensor | None):
+    """``kern.prepare_linear`` for any matmul ``lmd.weights.schema`` describes, these two included:
+    (qweight, scales, mins, perm), W4A16 over x[:, perm]; and a list of quantized parts
+    (``schema.fuse_quantized``), each the next rows of the weight, with those rows of ``bias``."""
+    if isinstance(weight, list):
+        rows = [dense_shape(w)[0] for w in weight]
+        biases = [None] * len(weight) if bias is None else bias.split(rows)
+        return LinearParts([prepare_matmul(kern, w, b) for w, b in zip(weight, biases)], kern.linear)
+    if isinstance(weight, tuple) and len(weight) == 4:
+        return PermutedLinear(weight[3].long(), kern.prepare_linear(weight[:3], bias), kern.linear)
+    return kern.prepare_linear(weight, bias)

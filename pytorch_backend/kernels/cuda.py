@@ -125,10 +125,13 @@ class CudaW8A8Linear:
 
 
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
-    """A float weight stays (weight, bias) for F.linear; a quantized tuple gets its kernel's wrapper."""
+    """A float weight stays (weight, bias) for F.linear; a quantized tuple gets its kernel's wrapper
+    (W8A16 runs the torch reference)."""
     if isinstance(weight, torch.Tensor):
         return weight, bias
-    return (CudaW4A16Linear if len(weight) == 3 else CudaW8A8Linear)(*weight, bias)
+    if len(weight) == 3:
+        return CudaW4A16Linear(*weight, bias)
+    return (CudaW8A8Linear if weight[1].dim() == 1 else torch_ops.W8A16Linear)(*weight, bias)
 
 
 def linear(x: torch.Tensor, params) -> torch.Tensor:

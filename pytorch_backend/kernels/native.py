@@ -45,8 +45,9 @@ class NativeLinear:
 
 class NativeQuantLinear:
     """A quantized matmul in a layout of ``lmd.weights.quant_layouts`` run by
-    ``ops.linear_w4a16`` (qweight, scales, mins) or ``ops.linear_w8a8`` (qweight int8, scales [N]);
-    the bias in float32, as those kernels take it; wrapped for C++ once, at load."""
+    ``ops.linear_w4a16`` (qweight, scales, mins), ``ops.linear_w8a8`` (qweight int8, scales [N]) or
+    ``ops.linear_w8a16`` (qweight int8, scales [N, K / G]); the bias in float32, as those kernels take
+    it; wrapped for C++ once, at load."""
     __slots__ = ('parts', 'bias', 'handles', 'b_handle', 'out_features', 'group_size')
 
     def __init__(self, parts: tuple, bias: torch.Tensor | None):
@@ -55,13 +56,17 @@ class NativeQuantLinear:
         self.handles = tuple(ops.HostTensor(to_dlpack(t)) for t in self.parts)
         self.b_handle = None if self.bias is None else ops.HostTensor(to_dlpack(self.bias))
         self.out_features = parts[0].shape[0]
-        self.group_size = parts[0].shape[1] * 2 // parts[1].shape[1] if len(parts) == 3 else None
+        # None: W8A8; else the group size of W4A16 (two k a byte) or W8A16
+        self.group_size = None if parts[1].dim() == 1 else \
+            parts[0].shape[1] * (2 if len(parts) == 3 else 1) // parts[1].shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         if self.group_size is None:
             ops.linear_w8a8(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y))
+        elif len(self.parts) == 2:
+            ops.linear_w8a16(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y), self.group_size)
         else:
             ops.linear_w4a16(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y), self.group_size)
         return y

@@ -63,10 +63,13 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
     """weight: float [N, K], or a quantized matmul in a layout of ``lmd.weights.quant_layouts``:
-    (qweight, scales, mins) W4A16 or (qweight int8 [N, K], scales [N]) W8A8."""
+    (qweight, scales, mins) W4A16, (qweight int8 [N, K], scales [N]) W8A8 or (qweight int8, scales
+    [N, K / G]) W8A16."""
     if isinstance(weight, torch.Tensor):
         return weight, bias
-    return (W4A16Linear if len(weight) == 3 else W8A8Linear)(*weight, bias)
+    if len(weight) == 3:
+        return W4A16Linear(*weight, bias)
+    return (W8A8Linear if weight[1].dim() == 1 else W8A16Linear)(*weight, bias)
 
 
 def linear(x: torch.Tensor, params) -> torch.Tensor:
@@ -87,6 +90,19 @@ class W4A16Linear:
         n, num_groups = self.scales.shape
         q = torch.stack([self.qweight & 0xF, self.qweight >> 4], -1).view(n, num_groups, -1)
         w = (q.float() * self.scales[..., None] + self.mins[..., None]).view(n, -1).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class W8A16Linear:
+    """int8 weights in groups of G k with float32 scales [N, K / G]; each call dequantizes them,
+    w = q * scale, to x's dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        self.qweight, self.scales, self.bias = qweight, scales, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        (n, k), num_groups = self.qweight.shape, self.scales.shape[1]
+        w = (self.qweight.float().view(n, num_groups, -1) * self.scales[..., None]).view(n, k).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 

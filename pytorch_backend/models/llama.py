@@ -9,9 +9,10 @@ The four differ only in small switches read from ``ModelConfig``:
 
 Weights load from HF names and are fused at load as the weights layer says
 (``lmd.weights.schema``: q/k/v into one ``qkv`` [(Hq + 2 Hk) * D, H], gate/up into one
-``gate_up`` [2 I, H]), so a layer runs four matmuls. The matmuls of an AWQ or W8A8
+``gate_up`` [2 I, H]), so a layer runs four matmuls. The matmuls of a quantized
 checkpoint come in ``quantized`` (HF weight name -> a layout of ``lmd.weights.quant_layouts``)
-and stay quantized, fused the same way (their parts concatenated along N). The decoder
+and stay quantized, fused the same way (their parts concatenated along N, or kept as parts where
+they read differently permuted inputs: ``schema.fuse_quantized``). The decoder
 loop lives in ``CausalLM.forward`` on purpose: a decode step is Python-overhead bound at
 small batch, and the loop touches plain tensors rather than module trees.
 """
@@ -27,24 +28,24 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 from lmd.weights.memory import kv_block_bytes
 from lmd.weights.rope import build_cos_sin_cache
-from lmd.weights.schema import check_quantized_weights, matmul_parts
+from lmd.weights.schema import check_quantized_weights, fuse_quantized, matmul_parts, quant_format
 
 from ..context import StepContext
-from ..kernels import Kernels, get_kernels
+from ..kernels import Kernels, get_kernels, prepare_matmul
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor          # [H]
-    # float [N, K], or a quantized tuple (qweight, scales[, mins]) standing for it
-    qkv_weight: torch.Tensor | tuple  # [(Hq + 2 Hk) * D, H]
+    # float [N, K], or a quantized tuple standing for it (lmd.weights.schema; a list: in parts)
+    qkv_weight: torch.Tensor | tuple | list  # [(Hq + 2 Hk) * D, H]
     qkv_bias: torch.Tensor | None     # [(Hq + 2 Hk) * D]
     q_norm: torch.Tensor | None       # [D] (Qwen3)
     k_norm: torch.Tensor | None       # [D] (Qwen3)
     o_weight: torch.Tensor | tuple    # [H, Hq * D]
     o_bias: torch.Tensor | None       # [H]
     post_norm: torch.Tensor           # [H]
-    gate_up_weight: torch.Tensor | tuple  # [2 I, H]
+    gate_up_weight: torch.Tensor | tuple | list  # [2 I, H]
     gate_up_bias: torch.Tensor | None  # [2 I]
     down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
@@ -55,10 +56,10 @@ class DecoderLayer:
     down: object = None
 
     def prepare(self, kern: Kernels) -> None:
-        self.qkv = kern.prepare_linear(self.qkv_weight, self.qkv_bias)
-        self.o = kern.prepare_linear(self.o_weight, self.o_bias)
-        self.gate_up = kern.prepare_linear(self.gate_up_weight, self.gate_up_bias)
-        self.down = kern.prepare_linear(self.down_weight, self.down_bias)
+        self.qkv = prepare_matmul(kern, self.qkv_weight, self.qkv_bias)
+        self.o = prepare_matmul(kern, self.o_weight, self.o_bias)
+        self.gate_up = prepare_matmul(kern, self.gate_up_weight, self.gate_up_bias)
+        self.down = prepare_matmul(kern, self.down_weight, self.down_bias)
 
 
 class CausalLM:
@@ -92,21 +93,29 @@ class CausalLM:
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in weights else None
 
-        def cat(names: list[str]) -> torch.Tensor | tuple | None:
+        def on_device(q: tuple) -> tuple:
+            return tuple(t.to(self.device) for t in q)
+
+        def cat(names: list[str]) -> torch.Tensor | tuple | list | None:
             parts = [quantized.get(n) for n in names]
             if any(q is not None for q in parts):
-                if None in parts or len({(len(q), q[1].shape[1:]) for q in parts}) != 1:
+                if None in parts or len({(quant_format(q), q[1].shape[1:]) for q in parts}) != 1:
                     raise ModelFormatError(f'{config.architecture}: {", ".join(names)} mix quantized formats '
                                            'or group sizes; they are fused into one matmul')
-                return tuple(torch.cat(fields, dim=0).to(self.device).contiguous() for fields in zip(*parts))
+                fused = fuse_quantized(parts)
+                return [on_device(q) for q in fused] if isinstance(fused, list) else on_device(fused)
             if names[0] not in weights:
                 return None
             return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
 
         self.embed_tokens = get('model.embed_tokens.weight')
         self.norm = get('model.norm.weight')
-        # tied models share the embedding (a checkpoint may still carry a copy of it)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
+        # tied models share the embedding (a checkpoint may still carry a copy of it); GPTQ's may quantize it
+        self.lm_head = quantized.get('lm_head.weight')
+        if self.lm_head is None:
+            self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
+        else:
+            self.lm_head = on_device(self.lm_head)
         self.layers: list[DecoderLayer] = []
         for n in range(config.num_layers):
             p = f'model.layers.{n}.'
@@ -126,7 +135,7 @@ class CausalLM:
                 down_bias=maybe(mlp + 'down_proj.bias'),
             ))
             self.layers[-1].prepare(self.kernels)
-        self.lm_head_params = self.kernels.prepare_linear(self.lm_head, None)
+        self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
         self.cos_sin_cache = build_cos_sin_cache(config, dtype, self.device)
 
     # -- KV cache -------------------------------------------------------------------------------

@@ -83,23 +83,66 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         return tensors.contains(name) && !tensors[py::str(name)].is_none() &&
                view_of(tensors[py::str(name)], name.c_str()).ndim == 3;
     };
-    // a matmul's weights: "<name>" (float [N, K], or packed) or "<name>.qweight/.scales[/.mins]":
-    // W4A16 (mins there; or in panels, lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or
-    // W8A8 (int8, scales [N]), with the group size G = K / scales.size(1) a multiple of 32;
+    // a quantized tensor by name, checked against its dtype and shape
+    auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
+        if (!tensors.contains(n)) fail("LlamaModel: missing weight " + n);
+        py::object obj = tensors[py::str(n)];
+        TensorView v = view_of(obj, n.c_str());
+        bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
+        int i = 0;
+        for (int64_t d : shape) ok = ok && v.shape[i++] == d;
+        expect(ok, n.c_str(), v, std::string("expected a contiguous ") + dtype_name(want) + " quantized tensor");
+        result->owners.append(obj);
+        return v;
+    };
+    // a quantized matmul "<name>.qweight/.scales[/.mins]": W4A16 (mins there; or in panels,
+    // lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or W8A8 (int8, scales [N]), with the
+    // group size G = K / scales.size(1) a multiple of 32; "<name>.perm" (the matmul over x[:, perm]) and
     // "<name>_bias" optional
+    auto quantized = [&](const std::string & name, int64_t N, int64_t K) {
+        LinearWeights lw;
+        const std::string sn = name + ".scales";
+        if (!tensors.contains(sn)) fail("LlamaModel: missing weight " + sn);
+        const TensorView s = view_of(tensors[py::str(sn)], sn.c_str());
+        const bool w4 = tensors.contains(name + ".mins");
+        if (!w4 && s.ndim == 1) {  // W8A8
+            if (K > cpu::kW8A8MaxK) fail("LlamaModel: " + name + " has K = " + std::to_string(K) + ", more than W8A8 takes");
+            lw.qweight = raw(name + ".qweight", DType::i8, {N, K});
+            lw.scales = raw(sn, DType::f32, {N});
+        } else {
+            const int64_t groups = s.ndim >= 2 ? s.size(1) : 0;
+            const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
+            if (g < 32 || g % 32) fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) + " needs groups of a multiple of 32");
+            if (w4 && s.ndim == 3) {  // W4A16 in panels 64 wide
+                const int64_t P4 = (N + 63) / 64;
+                lw.qweight = raw(name + ".qweight", DType::i32, {P4, K / 8, 64});
+                // scales and mins in float16 where that loses nothing (lmd.turbomind.model.pack_matmuls)
+                const DType st = s.dtype == DType::f16 ? DType::f16 : DType::f32;
+                lw.mins = raw(name + ".mins", st, {P4, groups, 64});
+                lw.scales = raw(sn, st, {P4, groups, 64});
+            } else {
+                lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
+                if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});
+                lw.scales = raw(sn, DType::f32, {N, groups});
+            }
+            lw.group_size = g;
+        }
+        if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
+        if (tensors.contains(name + ".perm")) {
+            lw.perm = raw(name + ".perm", DType::i32, {K});
+            std::vector<bool> seen(static_cast<size_t>(K));
+            for (int64_t k = 0; k < K; ++k) {
+                const int32_t p = lw.perm.ptr<int32_t>()[k];
+                if (p < 0 || p >= K || seen[p]) fail("LlamaModel: " + name + ".perm is not a permutation of 0.." + std::to_string(K - 1));
+                seen[p] = true;
+            }
+        }
+        return lw;
+    };
+    // a matmul's weights: "<name>" (float [N, K], or packed), "<name>.gguf.<i>" (GGUF blocks), quantized
+    // ("<name>.qweight" ...), or quantized parts ("<name>.part.<i>.qweight" ..., their rows in "<name>.part_rows")
     auto linear = [&](const std::string & name, int64_t N, int64_t K) {
         LinearWeights lw;
-        auto raw = [&](const std::string & n, DType want, std::initializer_list<int64_t> shape) {
-            if (!tensors.contains(n)) fail("LlamaModel: missing weight " + n);
-            py::object obj = tensors[py::str(n)];
-            TensorView v = view_of(obj, n.c_str());
-            bool ok = v.ndim == static_cast<int>(shape.size()) && v.contiguous() && v.dtype == want;
-            int i = 0;
-            for (int64_t d : shape) ok = ok && v.shape[i++] == d;
-            expect(ok, n.c_str(), v, std::string("expected a contiguous ") + dtype_name(want) + " quantized tensor");
-            result->owners.append(obj);
-            return v;
-        };
         if (tensors.contains(name + ".gguf_types")) {  // GGUF blocks as stored, in runs of one type
             const std::string tn = name + ".gguf_types";
             const TensorView types = view_of(tensors[py::str(tn)], tn.c_str());
@@ -120,34 +163,22 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
             }
             if (n0 != N) fail("LlamaModel: the parts of " + name + " hold " + std::to_string(n0) + " rows, not " + std::to_string(N));
             if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
-        } else if (tensors.contains(name + ".qweight")) {
-            const std::string sn = name + ".scales";
-            if (!tensors.contains(sn)) fail("LlamaModel: missing weight " + sn);
-            const TensorView s = view_of(tensors[py::str(sn)], sn.c_str());
-            const bool w4 = tensors.contains(name + ".mins");
-            if (!w4 && s.ndim == 1) {  // W8A8
-                if (K > cpu::kW8A8MaxK) fail("LlamaModel: " + name + " has K = " + std::to_string(K) + ", more than W8A8 takes");
-                lw.qweight = raw(name + ".qweight", DType::i8, {N, K});
-                lw.scales = raw(sn, DType::f32, {N});
-            } else {
-                const int64_t groups = s.ndim >= 2 ? s.size(1) : 0;
-                const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
-                if (g < 32 || g % 32) fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) + " needs groups of a multiple of 32");
-                if (w4 && s.ndim == 3) {  // W4A16 in panels 64 wide
-                    const int64_t P4 = (N + 63) / 64;
-                    lw.qweight = raw(name + ".qweight", DType::i32, {P4, K / 8, 64});
-                    // scales and mins in float16 where that loses nothing (lmd.turbomind.model.pack_matmuls)
-                    const DType st = s.dtype == DType::f16 ? DType::f16 : DType::f32;
-                    lw.mins = raw(name + ".mins", st, {P4, groups, 64});
-                    lw.scales = raw(sn, st, {P4, groups, 64});
-                } else {
-                    lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
-                    if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});
-                    lw.scales = raw(sn, DType::f32, {N, groups});
-                }
-                lw.group_size = g;
+        } else if (tensors.contains(name + ".part_rows")) {
+            const std::string rn = name + ".part_rows";
+            const TensorView rows = view_of(tensors[py::str(rn)], rn.c_str());
+            expect(rows.ndim == 1 && rows.dtype == DType::i32 && rows.contiguous() && rows.size(0) > 0, rn.c_str(), rows,
+                   "expected a contiguous int32 [parts] tensor of row counts");
+            int64_t n0 = 0;
+            for (int64_t i = 0; i < rows.size(0); ++i) {
+                const int64_t n = rows.ptr<int32_t>()[i];
+                if (n < 1 || n0 + n > N) fail("LlamaModel: " + rn + " does not split the " + std::to_string(N) + " rows of " + name);
+                lw.parts.push_back(quantized(name + ".part." + std::to_string(i), n, K));
+                lw.part_rows.push_back(n);
+                n0 += n;
             }
-            if (tensors.contains(name + "_bias")) lw.bias = raw(name + "_bias", DType::f32, {N});
+            if (n0 != N) fail("LlamaModel: the parts of " + name + " hold " + std::to_string(n0) + " rows, not " + std::to_string(N));
+        } else if (tensors.contains(name + ".qweight")) {
+            lw = quantized(name, N, K);
         } else if (is_packed(name)) {
             lw.packed = take(name, {(N + 15) / 16, K, 16}, true);
             lw.bias = take(name + "_bias", {N}, false);
@@ -350,7 +381,8 @@ void bind_models(py::module_ & m) {
              "rms_norm_eps, qk_norm. tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
              "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
-             "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant); without embed, the embedding is the "
+             "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "
+             "or in parts <name>.part.<i>.* (rows: <name>.part_rows); without embed, the embedding is the "
              "packed lm_head (tied).")
         .def("forward", &forward, py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
              py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),

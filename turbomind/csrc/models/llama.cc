@@ -48,7 +48,35 @@ TensorView columns(const TensorView & t, int64_t n0, int64_t n) {
     return v;
 }
 
-void apply(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
+// x[:, perm] into thread-local scratch: [M, K] contiguous, x's dtype (any row stride in x).
+TensorView gather_columns(const TensorView & x, const TensorView & perm) {
+    static thread_local Buffer b_gather;
+    const int64_t M = x.size(0), K = perm.size(0), ld = x.stride(0);
+    const int32_t * p = perm.ptr<int32_t>();
+    TensorView out = view(b_gather.get(M * K * dtype_size(x.dtype)), x.dtype, {M, K});
+    auto gather = [&](auto * dst, const auto * src) {
+        for (int64_t m = 0; m < M; ++m) {
+            for (int64_t k = 0; k < K; ++k) dst[m * K + k] = src[m * ld + p[k]];
+        }
+    };
+    if (dtype_size(x.dtype) == 4) {
+        gather(static_cast<uint32_t *>(out.data), static_cast<const uint32_t *>(x.data));
+    } else {
+        gather(static_cast<uint16_t *>(out.data), static_cast<const uint16_t *>(x.data));
+    }
+    return out;
+}
+
+void apply(const TensorView & x_in, const LinearWeights & w, const TensorView & y, bool int8_activations) {
+    if (!w.parts.empty()) {
+        int64_t n0 = 0;
+        for (size_t i = 0; i < w.parts.size(); ++i) {
+            apply(x_in, w.parts[i], columns(y, n0, w.part_rows[i]), int8_activations);
+            n0 += w.part_rows[i];
+        }
+        return;
+    }
+    const TensorView x = w.perm.data ? gather_columns(x_in, w.perm) : x_in;
     if (!w.gguf.empty()) {
         for (const GgufPart & p : w.gguf) {
             const int64_t n = p.raw.size(0);

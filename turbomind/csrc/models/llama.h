@@ -40,8 +40,10 @@ struct LlamaConfig {
 // in panels 64 wide: int32 [P4, K/8, 64], float32 [P4, K/G, 64]); W8A16
 // (qweight int8 [N, K], scales float32 [N, K/G]); or W8A8 (qweight int8 [N, K], scales
 // float32 [N], activations quantized per token); or GGUF blocks as stored, in parts of one block
-// type each (`gguf`). G is per matmul: K / scales.size(1). Bias
+// type each (`gguf`); or W4A16 parts (`parts`). G is per matmul: K / scales.size(1). Bias
 // [N]: the model dtype for float weights, float32 for quantized ones; or none.
+// A W4A16 matmul may read its input permuted (`perm`, int32 [K]): y = x[:, perm] · w'ᵀ, the weight's k
+// stored in perm's order (GPTQ act-order: its groups are then runs of G consecutive k).
 // GGUF blocks as the file stores them (lib/kernels/csrc/cpu/gguf.h): rows [n0, n0 + raw.size(0)) of
 // the matmul, of one ggml block type.
 struct GgufPart {
@@ -52,12 +54,17 @@ struct GgufPart {
 
 struct LinearWeights {
     std::vector<GgufPart> gguf;  // when not empty: the matmul, in runs of one block type each
+    // when not empty: the matmul in parts, part i the next part_rows[i] columns of the output with a
+    // bias of its own (fused parts over differently permuted x: GPTQ act-order q, k, v)
+    std::vector<LinearWeights> parts;
+    std::vector<int64_t> part_rows;
     TensorView weight;
     TensorView packed;
     TensorView qweight, scales, mins;
+    TensorView perm;  // int32 [K], a permutation of 0..K-1, or none
     int64_t group_size = 0;
     TensorView bias;
-    bool quantized() const { return qweight.data != nullptr || !gguf.empty(); }
+    bool quantized() const { return qweight.data != nullptr || !gguf.empty() || !parts.empty(); }
 };
 
 struct LlamaLayerWeights {
