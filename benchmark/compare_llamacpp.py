@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RequestTiming, add_engine_args, add_worker_args, cpu_seconds, decode_rate, emit, engine_config,
                     guarded_worker, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib, percentiles, ratio,
                     rss_mib, run_worker, set_threads, summarize)
-from gguf_files import gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
+from gguf_files import gguf_file_type, gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
 
 LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
@@ -57,8 +58,12 @@ LMD_FORMATS = {
     # the same weights, activations quantized to int8 per 32 as llama.cpp's Q4_1 x Q8_1
     'w4a8': {'model_format': 'gguf', 'dtype': 'float32', 'int8_activations': True},
 }
-# the llama.cpp file each lmd format is set against, by figure
-PAIRS = [('float16', 'F16'), ('float32', 'F16'), ('float32', 'Q4_1'), ('w4a16', 'Q4_1'), ('w4a8', 'Q4_1')]
+
+
+def pairs(quant: str) -> list[tuple[str, str]]:
+    """The llama.cpp file each lmd format is set against, by figure; ``quant`` names the quantized
+    GGUF by its file type ('Q4_1', 'Q4_K_M', ...)."""
+    return [('float16', 'F16'), ('float32', 'F16'), ('float32', quant), ('w4a16', quant), ('w4a8', quant)]
 
 
 # ---- lmd worker ---------------------------------------------------------------------------------------
@@ -96,13 +101,14 @@ def lmd_worker(args, work: dict) -> dict:
     t = time.perf_counter()
     engine = AsyncEngine(args.model_dir, backend='turbomind', backend_config=cfg)
     tb = engine.engine
-    num_w4 = getattr(tb.model, 'num_w4a16', 0)
-    if args.lmd_format in ('w4a16', 'w4a8') and not num_w4:
+    formats = collections.Counter(f for n, f in tb.model.linear_formats.items() if n != 'lm_head')
+    if args.lmd_format in ('w4a16', 'w4a8') and set(formats) <= {'float'}:
         engine.close()
-        raise RuntimeError(f'{args.model_dir} has no 4-bit matmuls for W4A16 (it is not a conversion of a '
-                           'GGUF with Q4_0/Q4_1 weights)')
+        raise RuntimeError(f'{args.model_dir} has no quantized matmuls (it is not a conversion of a GGUF with '
+                           'quantized weights)')
     result = {'engine': 'lmd TurboMind', 'format': args.lmd_format, 'config': {k: v for k, v in vars(cfg).items()},
-              'num_w4a16_matmuls': num_w4, 'load_s': round(time.perf_counter() - t, 2),
+              'layer_matmul_formats': dict(formats), 'lm_head_format': tb.model.linear_formats.get('lm_head'),
+              'load_s': round(time.perf_counter() - t, 2),
               'rss_after_load_mib': round(rss_mib(), 1), 'weight_bytes_per_token': lmd_weight_bytes(tb)}
     loop = asyncio.new_event_loop()
 
@@ -126,10 +132,22 @@ class LlamaCppRunner:
     """Greedy decoding of token ids through llama-cpp-python's ``Llama.eval``; no prefix reuse
     (every request starts from an empty context), EOS never checked."""
 
-    def __init__(self, path: str, num_threads: int, n_ctx: int, n_batch: int):
+    def __init__(self, path: str, num_threads: int, n_ctx: int, n_batch: int, use_extra_bufts: bool):
+        import llama_cpp.llama_cpp as c_api
         from llama_cpp import Llama
-        self.llm = Llama(model_path=path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
-                         n_batch=n_batch, n_ubatch=n_batch, logits_all=False, verbose=False)
+        # Llama() takes no use_extra_bufts: its model params start from llama_model_default_params()
+        default_params = c_api.llama_model_default_params
+
+        def model_params():
+            params = default_params()
+            params.use_extra_bufts = use_extra_bufts
+            return params
+        c_api.llama_model_default_params = model_params
+        try:
+            self.llm = Llama(model_path=path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
+                             n_batch=n_batch, n_ubatch=n_batch, logits_all=False, verbose=False)
+        finally:
+            c_api.llama_model_default_params = default_params
         self.n_vocab = self.llm.n_vocab()
 
     def _eval_argmax(self, ids: list[int]) -> int:
@@ -154,10 +172,18 @@ class LlamaCppRunner:
         return timing, out
 
 
+def extra_bufts(args) -> bool:
+    """Whether llama.cpp may repack weights into its extra (CPU-specific / AMX) buffers."""
+    if args.llamacpp_extra_bufts != 'auto':
+        return args.llamacpp_extra_bufts == 'on'
+    with open('/proc/cpuinfo') as f:
+        return 'amx_tile' not in f.read().split()
+
+
 def llamacpp_worker(args, work: dict) -> dict:
     import llama_cpp
     t = time.perf_counter()
-    runner = LlamaCppRunner(args.gguf, args.num_threads, work['n_ctx'], work['n_batch'])
+    runner = LlamaCppRunner(args.gguf, args.num_threads, work['n_ctx'], work['n_batch'], extra_bufts(args))
     result = {'engine': 'llama.cpp (llama-cpp-python)', 'llama_cpp_python': llama_cpp.__version__,
               'gguf': args.gguf, 'tensor_types': gguf_type_counts(args.gguf),
               'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
@@ -255,7 +281,8 @@ def server_worker(args, work: dict) -> dict:
     conc = work['concurrency']
     longest = max(len(p['ids']) + p['out'] for p in work['concurrent'])
     n_ctx = conc * (longest + 16)  # each slot gets n_ctx / np
-    cmd = [args.server, '-m', args.gguf, '-t', str(args.num_threads), '-tb', str(args.num_threads),
+    repack = [] if extra_bufts(args) else ['--no-repack']
+    cmd = [args.server, '-m', args.gguf, *repack, '-t', str(args.num_threads), '-tb', str(args.num_threads),
            '-np', str(conc), '-cb', '-c', str(n_ctx), '--host', '127.0.0.1', '--port', str(port)]
     with tempfile.TemporaryFile('w+') as log_file:
         return _serve_and_run(args, work, cmd, port, log_file)
@@ -353,7 +380,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(p, backends=None, model_help="lmd model: 'smollm2' (the shipped GGUF, converted) or a path")
-    p.add_argument('--gguf', default=None, help='llama.cpp 4-bit model (default: the shipped SmolLM2 Q4_1 GGUF)')
+    p.add_argument('--gguf', default=None, help='llama.cpp quantized model (default: --model when it is a .gguf '
+                   'file, else the shipped SmolLM2 Q4_1 GGUF)')
+    p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
+                   help="llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama-cpp-python "
+                        '0.3.36 crashes in them on quantized types')
     p.add_argument('--f16-gguf', default=None,
                    help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<name>.F16.gguf)')
     p.add_argument('--lmd-formats', default='float16,float32,w4a16',
@@ -436,8 +467,10 @@ def main(argv=None) -> int:
               'cpu_count': os.cpu_count()}
     try:
         model_dir = resolve_model_dir(args.model)
-        q4 = args.gguf or shipped_gguf()
-        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, os.path.basename(q4).rsplit('.', 2)[0] + '.F16.gguf')
+        q4 = args.gguf or (args.model if args.model.endswith('.gguf') else shipped_gguf())
+        quant = gguf_file_type(q4)
+        stem = os.path.basename(q4).removesuffix('.gguf').removesuffix('.' + quant).removesuffix('-' + quant)
+        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, stem + '.F16.gguf')
         if not os.path.isfile(f16):
             log(f'writing {f16} from {q4}')
             os.makedirs(os.path.dirname(f16), exist_ok=True)
@@ -451,16 +484,17 @@ def main(argv=None) -> int:
         report['error'] = f'{type(e).__name__}: {e}'
         print(json.dumps(report, indent=2))
         return 2
-    ggufs = {'F16': f16, 'Q4_1': q4}
+    ggufs = {'F16': f16, quant: q4}
     server = args.server if args.server and os.access(args.server, os.X_OK) else None
     report.update({
         'model_dir': model_dir, 'ggufs': ggufs, 'lmd_formats': args.lmd_format_list,
         'llama_server': server or (f'{args.server or "--server"}: not built or not given; the concurrent round '
                                    'runs on lmd alone'),
-        'note': 'lmd float32 is compared with llama.cpp F16 (16-bit figures: lmd reads twice the bytes) and Q4_1; '
-                'lmd w4a16 (the GGUF Q4_1 matmuls kept at 4 bits, Q8_0 lm_head at 8 bits, float32 activations) '
-                'with llama.cpp Q4_1; lmd w4a8 (the same, activations quantized to int8 per 32 as llama.cpp '
-                'does) with llama.cpp Q4_1. Same prompt token ids for every engine, greedy, EOS ignored, no prefix reuse.',
+        'llamacpp_extra_bufts': extra_bufts(args),
+        'note': f'lmd float32 is compared with llama.cpp F16 (16-bit figures: lmd reads twice the bytes) and {quant}; '
+                f'lmd w4a16 (the GGUF\'s quantized matmuls kept at their own bit widths, float32 activations) '
+                f'with llama.cpp {quant}; lmd w4a8 (the same, activations quantized to int8 per 32 as llama.cpp '
+                'does) with it. Same prompt token ids for every engine, greedy, EOS ignored, no prefix reuse.',
     })
     work = build_work(args, model_dir)
     report['workload'] = work.pop('workload')
@@ -468,7 +502,8 @@ def main(argv=None) -> int:
         json.dump(work, f)
         work_file = f.name
     script = os.path.abspath(__file__)
-    wargv = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file]
+    wargv = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file,
+             '--llamacpp-extra-bufts', args.llamacpp_extra_bufts]
     sides = {}
     try:
         for fmt in args.lmd_format_list:
@@ -488,7 +523,7 @@ def main(argv=None) -> int:
 
     # lmd / llama.cpp for each figure and pair; the concurrent llama.cpp side is llama-server
     comparison = []
-    for fmt, ggml in PAIRS:
+    for fmt, ggml in pairs(quant):
         lmd = sides.get(f'lmd_{fmt}')
         if lmd is None:
             continue

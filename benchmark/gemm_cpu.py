@@ -6,7 +6,8 @@ the panels of ``ops.pack_linear``) and ``torch.matmul``, for float32 and float16
 activations, groups of 32), ``ops.linear_w4a8_packed`` (the same panels, activations quantized
 to int8 per 32: ``w4a8_packed``) and torch on the dequantized weights; with ``--dtypes w8a16``
 (GGUF Q8_0's layout, SmolLM2's lm_head), ``ops.linear_w8a16`` against ``ops.linear_w8a8_group``
-(activations int8 per 32: ``w8a8_group``).
+(activations int8 per 32: ``w8a8_group``); with ``--dtypes gguf``, ``ops.linear_gguf`` for every
+GGUF block type whose block divides K (``Q5_0 a16`` float activations, ``Q5_0 a8`` int8).
 
     python benchmark/gemm_cpu.py                      # float32 and float16, 2 threads
     python benchmark/gemm_cpu.py --dtypes w4a16
@@ -38,7 +39,7 @@ from common import cpu_info  # noqa: E402
 SHAPES = {'qkv': (960, 576), 'o': (576, 576), 'gate_up': (3072, 576), 'down': (576, 1536), 'lm_head': (49152, 576)}
 LAYER = ('qkv', 'o', 'gate_up', 'down')
 DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16, 'w4a16': None,
-          'w8a16': None}
+          'w8a16': None, 'gguf': None}
 W4A16_GROUP = 32
 
 
@@ -109,10 +110,25 @@ def w8a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
     }
 
 
+def gguf_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
+    """``ops.linear_gguf`` for each GGUF block type whose block fits K, float (a16) and int8 (a8)
+    activations, over random blocks (any bytes are a valid block; the timing does not read values)."""
+    x_h = dl(torch.randn(M, K, generator=g))
+    y_h = dl(torch.empty(M, N))
+    out = {}
+    for t, (type_id, qk, block_bytes) in ops.GGUF_TYPES.items():
+        if K % qk:
+            continue
+        raw = ops.HostTensor(dl(torch.randint(0, 256, (N, K // qk * block_bytes), generator=g, dtype=torch.uint8)))
+        out[f'{t} a16'] = lambda raw=raw, i=type_id: ops.linear_gguf(x_h, raw, i, None, y_h)
+        out[f'{t} a8'] = lambda raw=raw, i=type_id: ops.linear_gguf(x_h, raw, i, None, y_h, int8_activations=True)
+    return out
+
+
 def measure(name: str, M: int, dname: str, args) -> dict:
     N, K = SHAPES[name]
     g = torch.Generator().manual_seed(0)
-    make = {'w4a16': w4a16_kernels, 'w8a16': w8a16_kernels}.get(dname)
+    make = {'w4a16': w4a16_kernels, 'w8a16': w8a16_kernels, 'gguf': gguf_kernels}.get(dname)
     kernels = make(M, N, K, g) if make else float_kernels(M, N, K, DTYPES[dname], g)
     flop = 2 * M * N * K
     out = {'N': N, 'K': K}

@@ -71,3 +71,13 @@ def gguf_type_counts(path: str) -> dict:
 
     import gguf
     return dict(collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors))
+
+
+def gguf_file_type(path: str) -> str:
+    """The file's ``general.file_type`` as llama.cpp names it ('Q4_1', 'Q4_K_M', ...)."""
+    import gguf
+    field = gguf.GGUFReader(path).fields.get('general.file_type')
+    if field is None:
+        return 'unknown'
+    name = gguf.LlamaFileType(int(field.contents())).name
+    return name.removeprefix('MOSTLY_').removeprefix('ALL_')

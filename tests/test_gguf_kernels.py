@@ -120,6 +120,16 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(type_name, int8):
     assert_rows_independent(lambda x: linear(x, raw, type_name, bias, int8), rand(70, k, seed=11))
 
 
+def test_q4_k_maps_onto_the_w4a16_layout_bit_for_bit():
+    """TurboMind runs Q4_K matmuls on the W4A16 panels: eight groups of 32 per block, exactly."""
+    from lmd.weights.gguf_linears import from_gguf_q4_k
+    from lmd.weights.quant_layouts import dequantize_w4a16
+    raw = random_blocks('Q4_K', 24, 768, seed=5)
+    want = gguf_reference('Q4_K', raw, 768)
+    got = dequantize_w4a16(*from_gguf_q4_k(raw.numpy(), 24, 768))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros too
+
+
 def test_a_strided_output_is_written_in_place():
     """TurboMind writes a fused matmul's parts (one per GGUF type) into column ranges of one y."""
     raw = random_blocks('Q4_K', 8, 256, seed=12)

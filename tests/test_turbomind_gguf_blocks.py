@@ -4,7 +4,8 @@ SmolLM2 as llama.cpp's quantizer writes it: SmolLM2 in Q4_K_M, whose 576-wide
 rows make it a mixed file (Q5_0 for most matmuls, attn_v in Q5_0 or Q8_0, ffn_down in Q4_K or Q6_K,
 the tied Q8_0 embedding as the head). Every matmul runs on the file's blocks as stored
 (ops.linear_gguf; the kernels against their reference in test_gguf_kernels.py), a fused q/k/v in
-parts of one type each. Against HF transformers in float32 on the same file (dequantized by
+parts of one type each, except those all of Q4_0 / Q4_1 / Q4_K, which map exactly onto the W4A16
+panels. Against HF transformers in float32 on the same file (dequantized by
 gguf.quants): the teacher-forced logits, and 32 greedy tokens through the engine."""
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def test_a_tiny_model_of_every_type_equals_hf(tiny_mixed_dir):
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_mixed_dir, dtype=torch.float32).eval()
     model = tm(tiny_mixed_dir)
-    assert set(model.linear_formats.values()) == {'gguf'}  # the Q6_K head too
+    formats = model.linear_formats
+    assert formats.pop('layers.1.gate_up') == 'w4a16'  # Q4_K parts only: the W4A16 panels
+    assert set(formats.values()) == {'gguf'}  # the Q6_K head too
     assert [v.tolist() for n, v in model.tensors.items() if n == 'layers.0.qkv.gguf_types'] == [[12, 13, 14]]
     toks = [t % 250 for t in tokens(24, seed=3)]
     want = hf_logits(hf, toks)
@@ -95,10 +98,11 @@ def tm(model_dir: str, int8: bool = False) -> TurbomindModel:
 def test_every_matmul_runs_on_the_files_blocks(q4km_dir):
     model = tm(q4km_dir)
     formats = model.linear_formats
-    assert all(f == 'gguf' for n, f in formats.items() if n != 'lm_head')
+    assert {f for n, f in formats.items() if n.endswith('.down')} == {'gguf', 'w4a16'}  # Q6_K / Q4_K (panels)
+    assert all(f == 'gguf' for n, f in formats.items() if not n.endswith(('.down', 'lm_head')))
     assert formats['lm_head'] == 'w8a16'  # the tied Q8_0 embedding
     types = {int(t) for n, v in model.tensors.items() if n.endswith('.gguf_types') for t in v}
-    assert types == {6, 8, 12, 14}  # Q5_0, Q8_0, Q4_K, Q6_K
+    assert types == {6, 8, 14}  # Q5_0, Q8_0, Q6_K
     assert any(len(v) == 2 for n, v in model.tensors.items() if n.endswith('qkv.gguf_types'))  # Q5_0 + Q8_0 parts
     # at the file's own widths: 22 / 34 / 144 / 210 bytes a block, not widened
     raw = sum(v.numel() for n, v in model.tensors.items() if '.gguf.' in n)

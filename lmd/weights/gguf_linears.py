@@ -1,13 +1,13 @@
 """A GGUF conversion's quantized matmuls as they are, instead of the dequantized float weights
-``lmd convert`` wrote beside them: its Q4_0 / Q4_1 matmuls in the W4A16 layout and a Q8_0 lm_head in
-W8A16 (``quant_layouts.py``), bit-exact; and every matmul of a block type the kernel library
+``lmd convert`` wrote beside them: its Q4_0 / Q4_1 / Q4_K matmuls in the W4A16 layout (a Q4_K block's
+eight sub-blocks are eight groups of 32) and a Q8_0 lm_head in W8A16 (``quant_layouts.py``), bit-exact; and every matmul of a block type the kernel library
 multiplies in place (``gguf_blocks_for``: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL at their own bit
 widths; lib/kernels/csrc/cpu/gguf.h), as the file stores them.
 
 ``gguf_w4a16_for`` / ``gguf_head_w8a16_for`` take a directory ``lmd convert`` made from a GGUF
 file (its marker names the file, ``lmd.conversion``) and cache what they read in it::
 
-    DIR/turbomind/w4a16.safetensors        <hf name>.qweight / .scales / .mins
+    DIR/turbomind/w4a16.2.safetensors      <hf name>.qweight / .scales / .mins
     DIR/turbomind/head_w8a16.safetensors   qweight, scales
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from lmd.conversion import conversion_source
 from lmd.gguf_model import gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads, unpermute_rope
 
-from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
+from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0, pack_int4
 from .schema import LINEARS
 
 
@@ -37,13 +37,47 @@ def _open(path: str):
     return _reader(path, (st.st_mtime_ns, st.st_size))
 
 
+Q4_K_BLOCK, Q4_K_BLOCK_BYTES = 256, 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+
+
+def _q4_k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sc: uint8 [..., 12] -> the eight 6-bit (scale, min) pairs of a Q4_K block, each int [..., 8]."""
+    sc = sc.astype(np.int32)
+    low, high = sc[..., 0:4], sc[..., 8:12]  # pairs 0..3 in 6 bits; pairs 4..7: low 4 bits here,
+    scale = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=-1)  # top 2 in bytes 0..3
+    mins = np.concatenate([sc[..., 4:8] & 63, (high >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)  # and 4..7
+    return scale, mins
+
+
+def from_gguf_q4_k(raw, n: int, k: int):
+    """GGUF Q4_K data of a [n, k] weight -> (qweight, scales, mins) of the W4A16 layout, group size 32.
+
+    A Q4_K block holds 256 values in eight sub-blocks of 32: sub-block j's codes are the low (j even)
+    or high (j odd) nibbles of bytes 32 (j // 2) ... + 31 of qs, and w = (d sc_j) q - (dmin m_j). Both
+    products are exact in float32 (11-bit times 6-bit significands), so scale = d sc_j and
+    min = -(dmin m_j) give w bit for bit, as ``gguf.quants.dequantize`` computes it."""
+    if k % Q4_K_BLOCK:
+        raise ValueError(f'K = {k} is not a multiple of the Q4_K block size {Q4_K_BLOCK}')
+    data = np.ascontiguousarray(raw).view(np.uint8)
+    if data.size != n * k // Q4_K_BLOCK * Q4_K_BLOCK_BYTES:
+        raise ValueError(f'raw: {data.size} bytes, expected {n * k // Q4_K_BLOCK * Q4_K_BLOCK_BYTES} for [{n}, {k}]')
+    blocks = data.reshape(n, k // Q4_K_BLOCK, Q4_K_BLOCK_BYTES)
+    d, dmin = (blocks[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32) for o in (0, 2))
+    sc, mn = _q4_k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(n, k // Q4_K_BLOCK, 4, 1, 32)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c (low), 2c + 1
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    mins = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return pack_int4(torch.from_numpy(np.ascontiguousarray(q))), torch.from_numpy(scales), torch.from_numpy(mins)
+
+
 # The matmul weights that run in W4A16 straight from a GGUF file.
-_GGUF_W4_READERS = {'Q4_0': from_gguf_q4_0, 'Q4_1': from_gguf_q4_1}
+_GGUF_W4_READERS = {'Q4_0': from_gguf_q4_0, 'Q4_1': from_gguf_q4_1, 'Q4_K': from_gguf_q4_k}
 _LINEAR_SUFFIXES = tuple(f'.{name}.weight' for name in LINEARS)
 
 
 def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """HF name -> (qweight, scales, mins) for every Q4_0 / Q4_1 matmul weight of a GGUF file,
+    """HF name -> (qweight, scales, mins) for every Q4_0 / Q4_1 / Q4_K matmul weight of a GGUF file,
     in the W4A16 layout (group size 32), bit-exact; llama.cpp's row permutation of q and k
     undone as ``lmd.gguf_model`` undoes it. Tensors of other types are left out (the caller
     takes them from the dequantized model)."""
@@ -67,7 +101,7 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
 
 
 # Beside the converted model, in a folder of its own so weight loaders never mistake them for shards.
-W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.safetensors')
+W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.2.safetensors')  # .2: Q4_K too (.1 had Q4_0 / Q4_1)
 HEAD_W8A16_CACHE_FILE = os.path.join('turbomind', 'head_w8a16.safetensors')
 BLOCKS_CACHE_FILE = os.path.join('turbomind', 'gguf_blocks.safetensors')
 _EMPTY = '__empty__'  # what a cache of nothing holds, so that nothing is not looked for again

@@ -88,7 +88,7 @@ def load_fused(model_dir: str, config: ModelConfig, dtype: torch.dtype,
 
 def _gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
     """The quantized matmuls of a GGUF conversion, per fused matmul: W4A16 when all its parts are
-    Q4_0 / Q4_1, else the file's blocks as stored when all its parts are of a block type the kernels
+    Q4_0 / Q4_1 / Q4_K, else the file's blocks as stored when all its parts are of a block type the kernels
     run (a mixed file's q/k/v in Q5_0, Q5_0 and Q8_0, say), else none (float); the lm_head in W8A16
     when it is Q8_0, else its blocks."""
     w4a16 = gguf_w4a16_for(model_dir) or {}
