@@ -10,7 +10,7 @@ from typing import Protocol
 from .deltas import DeltaMessage, DeltaToolCall, make_tool_call_id, partial_suffix
 from .json_scan import JsonObjectScan, call_of
 
-_SEPARATOR = re.compile(r'\s*(;\s*)?')
+_SEPARATORS = {';': re.compile(r'\s*(;\s*)?'), ',': re.compile(r'\s*(,\s*)?')}
 
 
 class ToolCallFormat(Protocol):
@@ -18,7 +18,8 @@ class ToolCallFormat(Protocol):
     start_marker: str
     end_marker: str | None
     bare_json_start: bool      # a '{' opening the answer is a call (llama3)
-    separator: str | None      # between calls (llama3: ';')
+    separator: str | None      # between calls (llama3: ';', mistral: ',')
+    array: bool                # the calls after the start marker are a JSON array's items (mistral)
 
 
 class ToolCallStream:
@@ -32,7 +33,8 @@ class ToolCallStream:
         self.p = fmt
         self.eager = eager
         self.buf = ''              # received, not yet consumed
-        self.mode = 'content'      # 'content' | 'call' | 'bad_block' | 'between' (llama3, after a call) | 'rest'
+        self.mode = 'content'      # 'content' | 'call' | 'bad_block' | 'between' (llama3, mistral: after a call)
+        #                            | 'open' (mistral: after the marker, before its '[') | 'rest'
         self.held_ws = ''          # content whitespace that a following call would drop
         self.after_call = False    # drop the whitespace right after a call
         self.seen_text = False     # non-space content seen (llama3: a bare '{' opens a call only at the start)
@@ -102,6 +104,8 @@ class ToolCallStream:
             return self._step_call(final)
         if self.mode == 'between':
             return self._step_between(final)
+        if self.mode == 'open':
+            return self._step_open(final)
         if self.mode == 'bad_block':
             return self._step_bad_block(final)
         # 'rest': everything is content
@@ -141,7 +145,7 @@ class ToolCallStream:
             self._emit_content(self.buf[:i])
             self.buf = self.buf[i + len(start):]
             self._new_block(start)
-            self.mode = 'call'
+            self.mode = 'open' if self.p.array else 'call'
             return True
         keep = 0 if final else partial_suffix(self.buf, start)
         if self.p.bare_json_start and not self.seen_text and not self.num_calls and not self.buf.strip():
@@ -238,18 +242,37 @@ class ToolCallStream:
         self.mode = 'bad_block'
         return True
 
+    def _step_open(self, final: bool) -> bool:
+        """mistral after its marker: ``[`` opens the array of calls (a lone ``{`` is one call too);
+        anything else makes the marker content."""
+        stripped = self.buf.lstrip()
+        if not stripped and not final:
+            return False
+        if stripped.startswith(('[', '{')):
+            body = stripped[1:].lstrip() if stripped[0] == '[' else stripped
+            self.opener += self.buf[:len(self.buf) - len(body)]   # content again if the call is bad
+            self.buf = body
+            self.mode = 'call'
+            return True
+        return self._bad_block()
+
     def _step_between(self, final: bool) -> bool:
-        """llama3 after a call: ``;`` and another ``{`` continue the calls; anything else is content."""
-        m = _SEPARATOR.match(self.buf)
+        """After a call: the separator and another ``{`` continue the calls (a JSON array's ``]`` ends
+        them, mistral); anything else is content (llama3: the rest of the answer)."""
+        m = _SEPARATORS[self.p.separator].match(self.buf)
         rest = self.buf[m.end():]
         if not rest and not final:
             return False
-        if m.group(1) is not None and rest.startswith('{'):
+        if (m.group(1) is not None or self.p.array) and rest.startswith('{'):
             self.buf = rest
             self._new_block('')
             self.mode = 'call'
             return True
-        if not rest:   # a trailing ';' ends the calls
+        if self.p.array and rest.startswith(']'):
+            self.buf = rest[1:]
+            self.mode = 'content'
+            return True
+        if not rest:   # a trailing separator ends the calls
             self.buf = ''
         self.mode = 'rest'
         return True

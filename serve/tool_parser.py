@@ -7,6 +7,9 @@ Each parser knows one model family's way of writing a call (``--tool-call-parser
 - ``llama3`` (Llama 3.1/3.2 JSON tools): the answer is ``{"name": ..., "parameters": {...}}``, optionally
   after ``<|python_tag|>``; several calls are separated by ``;``.
 - ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>\\n{"name": ..., "parameters": {...}}<|action_end|>``.
+- ``mistral`` (Mistral 7B v0.3, Mixtral 8x22B, Mistral Nemo / Small; tokenizer v3): ``[TOOL_CALLS]``
+  then a JSON array of calls, ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``. (The v11
+  tokenizer's ``[TOOL_CALLS]name[ARGS]{...}`` is not read yet.)
 
 Every format accepts either ``arguments`` or ``parameters`` for the arguments.
 
@@ -54,6 +57,7 @@ class ToolParser:
     end_marker: str | None = None
     bare_json_start = False    # a '{' opening the answer is a call (llama3)
     separator: str | None = None
+    array = False              # the calls are a JSON array's items after the start marker (mistral)
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
@@ -133,3 +137,12 @@ class InternLMToolParser(ToolParser):
     @property
     def markers(self) -> list[str]:
         return ['<|action_start|>', '<|plugin|>', '<|action_end|>']
+
+
+@ToolParserManager.register('mistral')
+class MistralToolParser(ToolParser):
+    name = 'mistral'
+    start_marker = '[TOOL_CALLS]'
+    end_marker = None
+    separator = ','
+    array = True

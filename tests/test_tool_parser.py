@@ -59,6 +59,17 @@ CASES = [
     ('internlm', '<|action_start|><|plugin|>\n{"name": "f", "parameters": {"a": 1}}', None, [('f', '{"a": 1}')]),
     ('internlm', '<|action_start|><|interpreter|>\nprint(1)<|action_end|>',
      '<|action_start|><|interpreter|>\nprint(1)<|action_end|>', []),
+    # mistral (tokenizer v3): a JSON array of calls after [TOOL_CALLS]
+    ('mistral', f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}]', None,
+     [('get_weather', WEATHER_ARGS)]),
+    ('mistral', f'[TOOL_CALLS][{{"name": "a", "arguments": {{"x": 1}}}}, {{"name": "b", "arguments": {NESTED_ARGS}}},'
+                '{"name": "c"}]', None, [('a', '{"x": 1}'), ('b', NESTED_ARGS), ('c', '{}')]),
+    ('mistral', 'Let me look.[TOOL_CALLS] [{"name": "s", "arguments": {"q": "東京"}}]\nDone.', 'Let me look.Done.',
+     [('s', '{"q": "東京"}')]),
+    ('mistral', '[TOOL_CALLS] {"name": "one", "arguments": {}}', None, [('one', '{}')]),
+    ('mistral', '[TOOL_CALLS] [{"name": "cut", "arguments": {"a": [1, 2]}}', None, [('cut', '{"a": [1, 2]}')]),
+    ('mistral', 'No tools: [1, 2] and {"name": "x"} are content.', 'No tools: [1, 2] and {"name": "x"} are content.',
+     []),
 ]
 
 # Malformed JSON inside the markers is content, markers and all; broken before a stream sends the call.
@@ -80,6 +91,8 @@ MALFORMED = [
     ('llama3', '{"city": "Paris"}', '{"city": "Paris"}', []),
     ('internlm', '<|action_start|><|plugin|>\n{"name": }<|action_end|>ok',
      '<|action_start|><|plugin|>\n{"name": }<|action_end|>ok', []),
+    ('mistral', '[TOOL_CALLS] [not json]', '[TOOL_CALLS] [not json]', []),
+    ('mistral', '[TOOL_CALLS] plain words', '[TOOL_CALLS] plain words', []),
 ]
 
 
@@ -172,9 +185,9 @@ def test_to_openai_shapes():
 
 def test_manager_names_and_unknown_name():
     assert ToolParserManager.get('hermes') is ToolParserManager.get('qwen')
-    assert {'qwen', 'hermes', 'llama3', 'internlm'} <= set(ToolParserManager.names())
-    with pytest.raises(ValueError, match="'mistral' is unknown: available are .*internlm.*llama3.*qwen"):
-        ToolParserManager.get('mistral')
+    assert {'qwen', 'hermes', 'llama3', 'internlm', 'mistral'} <= set(ToolParserManager.names())
+    with pytest.raises(ValueError, match="'harmony' is unknown: available are .*internlm.*llama3.*mistral.*qwen"):
+        ToolParserManager.get('harmony')
 
 
 def test_json_object_scan_spans_and_errors():
