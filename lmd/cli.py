@@ -157,9 +157,10 @@ def convert(model_path: str, out_dir: str, *, backend: str | None = None, dtype:
     model.safetensors (float32), config.json, tokenizer.json and tokenizer_config.json with the
     chat template; it loads in lmd and in transformers.
 
-    With --backend turbomind: a .gguf file or an HF model directory (float, AWQ or W8A8) into
+    With --backend turbomind: a .gguf file or an HF model directory (float or quantized) into
     TurboMind's own layout: turbomind/model.safetensors (q/k/v and gate/up fused, quantized
-    matmuls packed as the kernels read them; a GGUF's Q4_0/Q4_1 stay 4-bit), turbomind/config.json
+    matmuls packed as the kernels read them; a GGUF's matmuls stay at the file's own bit widths,
+    whatever mix of block types it holds), turbomind/config.json
     (format version, sizes, each matmul's format, each tensor's digest) and the config and
     tokenizer files. It loads in TurboMind.
 
