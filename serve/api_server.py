@@ -239,8 +239,8 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         model_name: the name clients use in "model" (default: the model path's last part).
         chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) instead of the model's.
         max_concurrent_requests: requests generating at once; more wait in the server.
-        tool_call_parser: how to read tool calls from the output: qwen (hermes), llama3, internlm, mistral.
-        reasoning_parser: split <think> blocks into reasoning_content: deepseek-r1, qwen-qwq (qwen3).
+        tool_call_parser: how to read tool calls from the output: qwen (hermes), llama3, internlm, mistral, gpt-oss.
+        reasoning_parser: split reasoning into reasoning_content: deepseek-r1, qwen-qwq (qwen3), gpt-oss (harmony).
         proxy_url: a `lmd serve proxy` to register with at start (and leave at exit).
         allow_origins: CORS origins allowed, separated by commas ('*' for any).
         allow_credentials: CORS: allow credentials.

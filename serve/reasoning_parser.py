@@ -160,3 +160,6 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class QwenQwQReasoningParser(ReasoningParser):
     name = 'qwen-qwq'
     in_reasoning = False
+
+
+from . import harmony  # noqa: E402,F401  (registers 'gpt-oss', whose parsers live with the harmony format)

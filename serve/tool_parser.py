@@ -146,3 +146,6 @@ class MistralToolParser(ToolParser):
     end_marker = None
     separator = ','
     array = True
+
+
+from . import harmony  # noqa: E402,F401  (registers 'gpt-oss', whose parsers live with the harmony format)
