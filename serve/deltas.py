@@ -79,3 +79,31 @@ def partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def keep_markers(tokenizer, request, markers):
+    """``skip_special_tokens=False`` on ``request`` (anything with that attribute, or a dict) when one of
+    ``markers`` is a special token of ``tokenizer`` (the parser must see it in the text); ``request``
+    is returned. No tokenizer: nothing to say."""
+    if tokenizer is None:
+        return request
+    special = set(tokenizer.all_special_ids)
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in special:
+            if isinstance(request, dict):
+                request['skip_special_tokens'] = False
+            else:
+                request.skip_special_tokens = False
+            break
+    return request
+
+
+def whole_answer(out: DeltaMessage | None) -> ExtractedToolCalls:
+    """A whole parse's one ``DeltaMessage`` (or None: nothing) as ``ExtractedToolCalls``."""
+    out = out or DeltaMessage()
+    calls: dict[int, dict] = {}
+    for d in out.tool_calls:
+        call = calls.setdefault(d.index, {'id': d.id, 'name': d.name, 'arguments': ''})
+        call['arguments'] += d.arguments
+    return ExtractedToolCalls(out.content, [ToolCall(**c) for c in calls.values()])

@@ -1,5 +1,6 @@
-"""gpt-oss's harmony format: an answer split into reasoning, content and tool calls
-(``--reasoning-parser gpt-oss --tool-call-parser gpt-oss``).
+"""gpt-oss's harmony format: an answer split into reasoning, content and tool calls, for the
+parsers named ``gpt-oss`` (``--reasoning-parser gpt-oss --tool-call-parser gpt-oss``; their classes
+are in reasoning_parser.py and tool_parser.py).
 
 gpt-oss writes its answer as messages, each a header, ``<|message|>`` and a body closed by
 ``<|end|>``, ``<|call|>`` or ``<|return|>``; the next one opens with ``<|start|>assistant``. The
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import re
 
-from .deltas import DeltaMessage, DeltaToolCall, ExtractedToolCalls, ToolCall, make_tool_call_id, partial_suffix
-from .reasoning_parser import ReasoningParser, ReasoningParserManager
-from .tool_parser import ToolParser, ToolParserManager
+from .deltas import DeltaMessage, DeltaToolCall, make_tool_call_id, partial_suffix
 
 START, CHANNEL, MESSAGE = '<|start|>', '<|channel|>', '<|message|>'
 BODY_ENDS = ('<|end|>', '<|call|>', '<|return|>')
@@ -135,117 +134,49 @@ class HarmonySplitter:
             self.kind = 'reasoning' if channel and channel.group(1) == 'analysis' else 'content'
 
 
-def _keep_markers(tokenizer, request):
-    """``skip_special_tokens=False`` when the harmony markers are special tokens of ``tokenizer``."""
-    if tokenizer is None:
-        return request
-    special = set(tokenizer.all_special_ids)
-    for marker in MARKERS:
-        ids = tokenizer.encode(marker, add_special_tokens=False)
-        if len(ids) == 1 and ids[0] in special:
-            if isinstance(request, dict):
-                request['skip_special_tokens'] = False
-            else:
-                request.skip_special_tokens = False
-            break
-    return request
-
-
 def call_message(recipient: str) -> str:
     """The header of a call message, as the reasoning parser hands calls on to the tool parser."""
     return f'{START}assistant to={recipient}{CHANNEL}commentary{MESSAGE}'
 
 
-@ReasoningParserManager.register('gpt-oss')
-class GptOssReasoningParser(ReasoningParser):
-    """Reasoning: the ``analysis`` messages; content: the rest, calls as canonical call messages."""
-    name = 'gpt-oss'
+def reasoning_and_content(events: list[tuple[str, str]]) -> tuple[str, str]:
+    """The reasoning parser's split of ``events``: analysis as reasoning; the rest content, a call as a
+    canonical call message (``call_message``, its arguments, ``<|call|>``) for the tool parser after it."""
+    reasoning, content = [], []
+    for kind, text in events:
+        if kind == 'reasoning':
+            reasoning.append(text)
+        elif kind in ('content', 'args'):
+            content.append(text)
+        elif kind == 'call':
+            content.append(call_message(text))
+        else:   # end_call
+            content.append('<|call|>')
+    return ''.join(reasoning), ''.join(content)
 
-    def __init__(self, tokenizer=None, prompt: str | None = None):
-        self.tokenizer = tokenizer
+
+class HarmonyCalls:
+    """The tool parser's view: text fed in pieces -> ``DeltaMessage`` (content, and calls named by their
+    recipient less ``functions.``, arguments ``'{}'`` when the body is empty); reasoning counts as content."""
+
+    def __init__(self):
         self._splitter = HarmonySplitter()
-
-    def adjust_request(self, request):
-        return _keep_markers(self.tokenizer, request)
-
-    @staticmethod
-    def _split(events) -> tuple[str, str]:
-        reasoning, content = [], []
-        for kind, text in events:
-            if kind == 'reasoning':
-                reasoning.append(text)
-            elif kind in ('content', 'args'):
-                content.append(text)
-            elif kind == 'call':
-                content.append(call_message(text))
-            else:   # end_call
-                content.append('<|call|>')
-        return ''.join(reasoning), ''.join(content)
-
-    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
-        reasoning, content = self._split(HarmonySplitter().feed(text, final=True))
-        return reasoning or None, content or None
-
-    extract = extract_reasoning
-
-    def feed(self, delta_text: str) -> tuple[str, str]:
-        return self._split(self._splitter.feed(delta_text))
-
-    def finish(self) -> tuple[str, str]:
-        return self._split(self._splitter.feed('', final=True))
-
-
-@ToolParserManager.register('gpt-oss')
-class GptOssToolParser(ToolParser):
-    """Tool calls: the messages with a recipient; everything else is content."""
-    name = 'gpt-oss'
-    start_marker = START
-
-    def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
-        self._splitter = HarmonySplitter()
-        self._calls = 0
+        self.num_calls = 0
         self._args_sent = False
 
-    @property
-    def markers(self) -> list[str]:
-        return list(MARKERS)
-
-    def adjust_request(self, request):
-        return _keep_markers(self.tokenizer, request)
-
-    def _deltas(self, events) -> DeltaMessage | None:
+    def feed(self, text: str, final: bool = False) -> DeltaMessage | None:
         content, calls = [], []
-        for kind, text in events:
+        for kind, piece in self._splitter.feed(text, final):
             if kind in ('content', 'reasoning'):
-                content.append(text)
+                content.append(piece)
             elif kind == 'call':
-                name = text.removeprefix('functions.')
-                calls.append(DeltaToolCall(self._calls, id=make_tool_call_id(), name=name))
-                self._calls += 1
+                calls.append(DeltaToolCall(self.num_calls, id=make_tool_call_id(), name=piece.removeprefix('functions.')))
+                self.num_calls += 1
                 self._args_sent = False
             elif kind == 'args':
-                calls.append(DeltaToolCall(self._calls - 1, arguments=text))
-                self._args_sent = self._args_sent or bool(text.strip())
+                calls.append(DeltaToolCall(self.num_calls - 1, arguments=piece))
+                self._args_sent = self._args_sent or bool(piece.strip())
             elif not self._args_sent:   # end_call of a call without arguments
-                calls.append(DeltaToolCall(self._calls - 1, arguments='{}'))
-        text = ''.join(content)
-        return DeltaMessage(content=text or None, tool_calls=calls) if text or calls else None
-
-    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        parser = GptOssToolParser()
-        out = parser._deltas(parser._splitter.feed(text, final=True)) or DeltaMessage()
-        calls: dict[int, dict] = {}
-        for d in out.tool_calls:
-            call = calls.setdefault(d.index, {'id': d.id, 'name': d.name, 'arguments': ''})
-            call['arguments'] += d.arguments
-        return ExtractedToolCalls(out.content, [ToolCall(**c) for c in calls.values()])
-
-    def extract_tool_calls_streaming(self, delta_text: str) -> DeltaMessage | None:
-        return self._deltas(self._splitter.feed(delta_text))
-
-    def finish(self) -> DeltaMessage | None:
-        return self._deltas(self._splitter.feed('', final=True))
-
-    def has_tool_calls(self) -> bool:
-        return self._calls > 0
+                calls.append(DeltaToolCall(self.num_calls - 1, arguments='{}'))
+        joined = ''.join(content)
+        return DeltaMessage(content=joined or None, tool_calls=calls) if joined or calls else None

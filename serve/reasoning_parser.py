@@ -9,6 +9,8 @@
   prompt itself ends inside an open ``<think>`` (QwQ's and Qwen3-Thinking's templates end the generation
   prompt with ``<think>\\n``), the answer starts in reasoning, as with deepseek-r1: pass that prompt as
   ``prompt=``. Without it (Qwen3 with ``enable_thinking=False`` writes no tags) the answer is content.
+- ``gpt-oss``: harmony messages (``harmony.py``): the ``analysis`` channel is reasoning, ``final`` and
+  preambles content; a tool call stays in the content, as a call message, for the ``gpt-oss`` tool parser.
 
 Reasoning and content lose their leading whitespace, reasoning its trailing whitespace; content
 after the reasoning is otherwise kept as written, and an answer with no reasoning is untouched.
@@ -22,7 +24,8 @@ until it is whole. One parser per answer.
 """
 from __future__ import annotations
 
-from .deltas import partial_suffix
+from . import harmony
+from .deltas import keep_markers, partial_suffix
 from .registry import Registry
 
 THINK_START, THINK_END = '<think>', '</think>'
@@ -109,17 +112,7 @@ class ReasoningParser:
 
     def adjust_request(self, request):
         """Keep the markers in the output text: ``skip_special_tokens=False`` when one is a special token."""
-        tok = self.tokenizer
-        if tok is not None:
-            special = set(tok.all_special_ids)
-            for marker in (THINK_START, THINK_END):
-                ids = tok.encode(marker, add_special_tokens=False)
-                if len(ids) == 1 and ids[0] in special:
-                    if isinstance(request, dict):
-                        request['skip_special_tokens'] = False
-                    else:
-                        request.skip_special_tokens = False
-        return request
+        return keep_markers(self.tokenizer, request, (THINK_START, THINK_END))
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole answer; None for an empty part."""
@@ -162,4 +155,27 @@ class QwenQwQReasoningParser(ReasoningParser):
     in_reasoning = False
 
 
-from . import harmony  # noqa: E402,F401  (registers 'gpt-oss', whose parsers live with the harmony format)
+@ReasoningParserManager.register('gpt-oss')
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (harmony.py): the ``analysis`` channel is reasoning, the rest content
+    (a call kept as a call message for the tool parser)."""
+    name = 'gpt-oss'
+
+    def __init__(self, tokenizer=None, prompt: str | None = None):
+        self.tokenizer = tokenizer
+        self._splitter = harmony.HarmonySplitter()
+
+    def adjust_request(self, request):
+        return keep_markers(self.tokenizer, request, harmony.MARKERS)
+
+    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        reasoning, content = harmony.reasoning_and_content(harmony.HarmonySplitter().feed(text, final=True))
+        return reasoning or None, content or None
+
+    extract = extract_reasoning
+
+    def feed(self, delta_text: str) -> tuple[str, str]:
+        return harmony.reasoning_and_content(self._splitter.feed(delta_text))
+
+    def finish(self) -> tuple[str, str]:
+        return harmony.reasoning_and_content(self._splitter.feed('', final=True))

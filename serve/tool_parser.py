@@ -7,6 +7,8 @@ Each parser knows one model family's way of writing a call (``--tool-call-parser
 - ``llama3`` (Llama 3.1/3.2 JSON tools): the answer is ``{"name": ..., "parameters": {...}}``, optionally
   after ``<|python_tag|>``; several calls are separated by ``;``.
 - ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>\\n{"name": ..., "parameters": {...}}<|action_end|>``.
+- ``gpt-oss``: harmony messages (``harmony.py``); a message with a recipient ``to=functions.NAME`` is a call,
+  its body the arguments.
 - ``mistral`` (Mistral 7B v0.3, Mixtral 8x22B, Mistral Nemo / Small; tokenizer v3): ``[TOOL_CALLS]``
   then a JSON array of calls, ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``. (The v11
   tokenizer's ``[TOOL_CALLS]name[ARGS]{...}`` is not read yet.)
@@ -41,7 +43,9 @@ This module holds the formats; what they return is in ``deltas.py``, the machine
 """
 from __future__ import annotations
 
-from .deltas import DeltaMessage, DeltaToolCall, ExtractedToolCalls, ToolCall, make_tool_call_id, partial_suffix
+from .deltas import (DeltaMessage, DeltaToolCall, ExtractedToolCalls, ToolCall, keep_markers, make_tool_call_id,
+                     partial_suffix, whole_answer)
+from . import harmony
 from .json_scan import JsonObjectScan
 from .registry import Registry
 from .tool_call_stream import ToolCallStream
@@ -71,28 +75,14 @@ class ToolParser:
         """Keep the markers in the output text: ``skip_special_tokens=False`` when one is a special token.
 
         ``request`` is anything with a ``skip_special_tokens`` attribute (or key); it is returned."""
-        if self.tokenizer is not None and any(self._is_special(m) for m in self.markers):
-            if isinstance(request, dict):
-                request['skip_special_tokens'] = False
-            else:
-                request.skip_special_tokens = False
-        return request
-
-    def _is_special(self, marker: str) -> bool:
-        ids = self.tokenizer.encode(marker, add_special_tokens=False)
-        return len(ids) == 1 and ids[0] in set(self.tokenizer.all_special_ids)
+        return keep_markers(self.tokenizer, request, self.markers)
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         """The calls in a whole answer, and the content around them (None when there is none)."""
         stream = ToolCallStream(self, eager=False)
         stream.feed(text)
         stream.finish()
-        out = stream.take() or DeltaMessage()
-        calls: dict[int, dict] = {}
-        for d in out.tool_calls:
-            call = calls.setdefault(d.index, {'id': d.id, 'name': d.name, 'arguments': ''})
-            call['arguments'] += d.arguments
-        return ExtractedToolCalls(out.content, [ToolCall(**c) for c in calls.values()])
+        return whole_answer(stream.take())
 
     def extract_tool_calls_streaming(self, delta_text: str) -> DeltaMessage | None:
         """Feed the next piece of the answer; what can be sent now, or None."""
@@ -148,4 +138,28 @@ class MistralToolParser(ToolParser):
     array = True
 
 
-from . import harmony  # noqa: E402,F401  (registers 'gpt-oss', whose parsers live with the harmony format)
+@ToolParserManager.register('gpt-oss')
+class GptOssToolParser(ToolParser):
+    """gpt-oss's harmony messages (harmony.py): a message with a recipient is a call."""
+    name = 'gpt-oss'
+    start_marker = harmony.START
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self._calls = harmony.HarmonyCalls()
+
+    @property
+    def markers(self) -> list[str]:
+        return list(harmony.MARKERS)
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        return whole_answer(harmony.HarmonyCalls().feed(text, final=True))
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> DeltaMessage | None:
+        return self._calls.feed(delta_text)
+
+    def finish(self) -> DeltaMessage | None:
+        return self._calls.feed('', final=True)
+
+    def has_tool_calls(self) -> bool:
+        return self._calls.num_calls > 0

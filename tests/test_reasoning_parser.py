@@ -74,7 +74,7 @@ def test_prompt_opens_think():
 
 def test_manager():
     assert ReasoningParserManager.get('qwen3') is ReasoningParserManager.get('qwen-qwq')
-    with pytest.raises(ValueError, match="'o1' is unknown: available are deepseek-r1, qwen-qwq, qwen3"):
+    with pytest.raises(ValueError, match="'o1' is unknown: available are deepseek-r1, gpt-oss, qwen-qwq, qwen3"):
         ReasoningParserManager.get('o1')
 
 
