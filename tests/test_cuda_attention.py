@@ -40,14 +40,14 @@ def quantize(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def run_both(q, k_cache, v_cache, tables, lens, scale, row_seqs=None, k_params=None, v_params=None,
-             workspace=None):
+             workspace=None, window=0):
     """(gpu out, cpu reference out) for the same inputs; the GPU output starts as NaN, so a row it
     never writes fails the comparison."""
     ref = torch.empty_like(q)
     ref_tables = tables if row_seqs is None else tables[row_seqs.long()].contiguous()
     quant = {} if k_params is None else dict(k_params=cap(k_params), v_params=cap(v_params))
     ops.paged_decode_attention(cap(q), cap(k_cache), cap(v_cache), cap(ref_tables), cap(lens), scale, cap(ref),
-                               reference=True, **quant)
+                               reference=True, window=window, **quant)
     dev = [t.cuda() for t in (q, k_cache, v_cache, tables, lens)]
     out = torch.full(q.shape, float('nan'), dtype=q.dtype, device='cuda')
     kw = {} if k_params is None else dict(k_params=cap(k_params.cuda()), v_params=cap(v_params.cuda()))
@@ -55,7 +55,7 @@ def run_both(q, k_cache, v_cache, tables, lens, scale, row_seqs=None, k_params=N
         kw['row_seqs'] = cap(row_seqs.cuda())
     if workspace is not None:
         kw['workspace'] = cap(workspace)
-    cuda.paged_decode_attention(*(cap(t) for t in dev[:5]), scale, cap(out), stream(), **kw)
+    cuda.paged_decode_attention(*(cap(t) for t in dev[:5]), scale, cap(out), stream(), window=window, **kw)
     return out.cpu(), ref
 
 
@@ -150,6 +150,27 @@ def test_prefill_chunk_across_partitions(dtype, bits):
     q = torch.randn(len(row_seqs), num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     close(*run_both(q, k_cache, v_cache, ctx.block_tables, lens, head_dim ** -0.5, row_seqs=row_seqs, **quant),
           dtype)
+
+
+@pytest.mark.parametrize('window', [1, 100, 512, 513, 4096])
+@pytest.mark.parametrize('bits', [0, 8])
+def test_sliding_window_prefill_and_decode_rows(bits, window):
+    # rows whose windows start mid-block, mid-partition, or cover the whole context; the blocks wholly
+    # before every window of a sequence are freed (-1): neither kernel may read them
+    num_heads, num_kv_heads, head_dim = SMOL
+    query_lens, context_lens = [40, 9, 1], [1100, 9, 700]
+    ctx, k_cache, v_cache = make_ctx(query_lens, context_lens, 16, num_kv_heads, head_dim, torch.float32, seed=12)
+    quant = {}
+    if bits:
+        (k_cache, kp), (v_cache, vp) = quantize(k_cache, bits), quantize(v_cache, bits)
+        quant = dict(k_params=kp, v_params=vp)
+    row_seqs, lens = prefill_rows(query_lens, context_lens)
+    tables = ctx.block_tables.clone()
+    for s, (q_len, n) in enumerate(zip(query_lens, context_lens)):
+        tables[s, :max(0, n - q_len + 1 - window) // 16] = -1
+    q = torch.randn(len(row_seqs), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    close(*run_both(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, row_seqs=row_seqs, window=window,
+                    **quant), torch.float32)
 
 
 def test_workspace():

@@ -120,6 +120,63 @@ def test_paged_decode_attention(context_lens, block_size, num_heads, num_kv_head
     torch.testing.assert_close(ref, want, **TOL[dtype])
 
 
+def window_attention(q, k, v, tables, context_lens, block_size, scale, window):
+    """float32 attention of each query over its last ``window`` cached tokens (k, v float caches)."""
+    group = q.shape[1] // k.shape[2]
+    out = torch.empty(q.shape)
+    for b, n in enumerate(context_lens):
+        first = max(0, n - window)
+        slots = [int(tables[b, t // block_size]) * block_size + t % block_size for t in range(first, n)]
+        kb, vb = (c.reshape(-1, *c.shape[2:])[slots].float().repeat_interleave(group, 1) for c in (k, v))
+        p = torch.softmax(torch.einsum('hd,thd->ht', q[b].float(), kb) * scale, -1)
+        out[b] = torch.einsum('ht,thd->hd', p, vb)
+    return out
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window', [1, 5, 16, 37, 1000])
+@pytest.mark.parametrize('bits', [0, 8, 4])
+def test_paged_decode_attention_over_a_sliding_window(window, bits, dtype):
+    """A sliding-window layer's queries read their last ``window`` tokens only (the first one mid-block);
+    the blocks wholly before that may already be freed: their table entries are -1, never read."""
+    from test_kv_quant import dequantize, empty_cache, pack, quantize_rows
+    context_lens, block_size, num_heads, num_kv_heads, head_dim = [3, 64, 100, 41], 16, 6, 2, 64
+    ctx, k_cache, v_cache = make_decode_ctx(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=window)
+    tables = ctx.block_tables.clone()
+    for b, n in enumerate(context_lens):
+        tables[b, :max(0, n - window) // block_size] = -1
+    q = rand(len(context_lens), num_heads, head_dim, dtype=dtype, seed=window + 1, scale=2.0)
+    scale = head_dim ** -0.5
+    lens = dl(ctx.context_lens)
+    quant = {}
+    if bits:
+        (kc, vc), (kp, vp) = empty_cache(k_cache.shape[0], block_size, num_kv_heads, head_dim, bits)
+        for x, cache, params in ((k_cache, kc, kp), (v_cache, vc, vp)):
+            codes, p = quantize_rows(x.float(), bits)
+            cache.copy_(pack(codes, bits))
+            params.copy_(p)
+        k_cache, v_cache = dequantize(kc, kp, bits), dequantize(vc, vp, bits)   # what the kernel reads
+        quant = dict(k_params=dl(kp), v_params=dl(vp))
+        caches = (kc, vc)
+    else:
+        caches = (k_cache, v_cache)
+    want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, scale, window)
+    for reference in (False, True):
+        got = torch.empty_like(q)
+        ops.paged_decode_attention(dl(q), dl(caches[0]), dl(caches[1]), dl(tables), lens, scale, dl(got),
+                                   reference=reference, window=window, **{k: v for k, v in quant.items()})
+        tol = TOL[torch.float32] if dtype == torch.float32 else TOL[dtype]
+        torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_a_negative_window_is_a_clear_error():
+    ctx, k_cache, v_cache = make_decode_ctx([5], 4, 1, 8, torch.float32)
+    q = rand(1, 1, 8)
+    with pytest.raises(ValueError, match='window = -1 must be >= 0'):
+        ops.paged_decode_attention(dl(q), dl(k_cache), dl(v_cache), dl(ctx.block_tables), dl(ctx.context_lens), 1.0,
+                                   dl(torch.empty_like(q)), window=-1)
+
+
 # -- norm, rotary, activation --------------------------------------------------------------------
 
 @pytest.mark.parametrize('dtype', DTYPES)

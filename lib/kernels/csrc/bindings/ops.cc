@@ -5,6 +5,7 @@
 // while a kernel runs.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <string>
 
 #include "core/dlpack.h"
@@ -40,7 +41,8 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
 }
 
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
-                            float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h) {
+                            float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h,
+                            int64_t window) {
     const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
     const TensorView tables = view_of(tables_h, "block_tables"), lens = view_of(lens_h, "context_lens");
     const TensorView out = view_of(out_h, "out");
@@ -57,13 +59,15 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
            out.size(1) == q.size(1) && out.size(2) == q.size(2), "out", out, "must have q's shape and dtype");
     const int32_t * len = lens.ptr<int32_t>();
     const int32_t * table = tables.ptr<int32_t>();
+    if (window < 0) fail("window = " + std::to_string(window) + " must be >= 0 (0: the whole context)");
     const int64_t block_size = kc.size(1), num_blocks = kc.size(0), max_blocks = tables.size(1);
     for (int64_t b = 0; b < q.size(0); ++b) {  // a bad table must be an error, not a wild read
         if (len[b] < 1 || (len[b] + block_size - 1) / block_size > max_blocks) {
             fail("context_lens[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
                  " is outside [1, " + std::to_string(max_blocks * block_size) + "]");
         }
-        for (int64_t i = 0; i < (len[b] + block_size - 1) / block_size; ++i) {
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;  // blocks before: not read
+        for (int64_t i = first / block_size; i < (len[b] + block_size - 1) / block_size; ++i) {
             const int32_t id = table[b * tables.stride(0) + i];
             if (id < 0 || id >= num_blocks) {
                 fail("block_tables[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(id) +
@@ -72,7 +76,7 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
         }
     }
     py::gil_scoped_release release;
-    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference);
+    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference, window);
 }
 
 void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::handle residual_h, bool reference) {
@@ -160,9 +164,11 @@ void bind_ops(py::module_ & m) {
     ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
             py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
             py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
-            "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens. With k_params and "
-            "v_params (float32 [num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 "
-            "[..., D] (8 bits) or [..., D / 2] (4 bits).");
+            py::arg("window") = 0,
+            "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens (with window > 0, "
+            "the last window of them only: a sliding-window layer). With k_params and v_params (float32 "
+            "[num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 [..., D] (8 bits) or "
+            "[..., D / 2] (4 bits).");
     ops.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
             py::arg("residual") = py::none(), py::arg("reference") = false,
             "out = rms_norm(x) * weight; with residual: residual += x first, and the sum is normalised.");

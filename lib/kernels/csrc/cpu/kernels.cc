@@ -70,7 +70,7 @@ namespace {
 // sequence's table as a one-row view with stride 0, so the tasks index it by b unchanged.
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
-                     float scale, const TensorView & out, const KVQuant * kv_quant, bool reference) {
+                     float scale, const TensorView & out, const KVQuant * kv_quant, bool reference, int64_t window) {
     const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
     const int32_t * lens = context_lens.ptr<int32_t>();
@@ -84,18 +84,20 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
         std::vector<float> & s = scratch[thread];
         if (s.empty()) s.resize(group * max_len);
         const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
         TensorView table = block_tables;
         if (row_seqs) {
             table.data = block_tables.ptr<int32_t>() + row_seqs[b] * block_tables.stride(0);
             table.strides[0] = 0;
         }
         if (vector && kv_quant) {
-            avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, out, *kv_quant, b, h,
-                                              s.data());
+            avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, out, *kv_quant, b,
+                                              first, h, s.data());
         } else if (vector) {
-            avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, b, h, s.data());
+            avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, b, first, h, s.data());
         } else {
-            ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, kv_quant, b, h, s.data());
+            ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, out, kv_quant, b, first, h,
+                                       s.data());
         }
     });
 }
@@ -104,16 +106,16 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
 
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
-                            const TensorView & out, const KVQuant * kv_quant, bool reference) {
-    paged_attention(q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, out, kv_quant, reference);
+                            const TensorView & out, const KVQuant * kv_quant, bool reference, int64_t window) {
+    paged_attention(q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, out, kv_quant, reference, window);
 }
 
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & row_seqs,
                             const TensorView & context_lens, float scale, const TensorView & out,
-                            const KVQuant * kv_quant, bool reference) {
+                            const KVQuant * kv_quant, bool reference, int64_t window) {
     paged_attention(q, k_cache, v_cache, block_tables, row_seqs.ptr<int32_t>(), context_lens, scale, out, kv_quant,
-                    reference);
+                    reference, window);
 }
 
 namespace {

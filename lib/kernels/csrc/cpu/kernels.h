@@ -34,17 +34,20 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 // q, out: [B, Hq, D] (unit stride in D, any stride between heads and rows);
 // k_cache, v_cache: [num_blocks, block_size, Hk, D] contiguous; block_tables: [B, max_blocks] int32;
 // context_lens: [B] int32 (tokens each query attends to, itself included).
-// q, out and the caches share a dtype; scores and softmax run in float32.
+// window > 0 (a sliding-window layer): each query attends to its last `window` tokens only,
+// [max(0, len - window), len); the table's entries before them are never read (their blocks
+// may have been freed). q, out and the caches share a dtype; scores and softmax run in float32.
 // With kv_quant, the caches hold quantized rows (KVQuant, core/tensor.h).
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
-                            const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false);
+                            const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false,
+                            int64_t window = 0);
 // The same over query rows of several sequences, each sequence's table given once:
 // block_tables: [S, max_blocks] int32; row_seqs: [B] int32, the table each query row reads.
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & row_seqs,
                             const TensorView & context_lens, float scale, const TensorView & out,
-                            const KVQuant * kv_quant = nullptr, bool reference = false);
+                            const KVQuant * kv_quant = nullptr, bool reference = false, int64_t window = 0);
 
 // out[M, H] = rms_norm(x) * w, normalised in float32; with `residual` (same shape as x):
 // residual += x first and the sum is normalised (the pre-norm residual stream).
@@ -70,8 +73,8 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
                  int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t kv_head,
-                           float * scratch);
+                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
+                           int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
 void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
@@ -87,12 +90,12 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
                  const TensorView & y, int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, int64_t b, int64_t kv_head, float * scratch);
+                           const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch);
 // the same over a quantized cache (kv_quant_avx2.cc); head_dim a multiple of 8
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                                 const TensorView & out, const KVQuant & kv_quant, int64_t b, int64_t kv_head,
-                                 float * scratch);
+                                 const TensorView & out, const KVQuant & kv_quant, int64_t b, int64_t first,
+                                 int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
 void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);

@@ -2,6 +2,7 @@
 // dispatch in kernels.cc calls into it only when the CPU has all three.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/kernels.h"
@@ -105,7 +106,7 @@ void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const Ten
 template <typename T, int NV>
 void decode_attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale,
-                        const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+                        const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -128,41 +129,47 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a);
             return a;
         };
-        float * s = scratch + g * len;
-        // scores, block by block through the table; eight tokens share one reduction
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const T * kb = kc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
-            const int64_t tn = len - t0 < block_size ? len - t0 : block_size;
+        const int64_t n = len - first;
+        float * s = scratch + g * n;  // s[i]: the score of token first + i
+        // scores, run by run of tokens in one block (the first may start mid-block); eight tokens
+        // share one reduction
+        for (int64_t t0 = first; t0 < len;) {
+            const T * kb = kc + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 % block_size) * row +
+                           kv_head * D;
+            const int64_t tn = std::min(block_size - t0 % block_size, len - t0);
             int64_t t = 0;
             for (; t + 8 <= tn; t += 8) {
                 __m256 a[8];
                 for (int j = 0; j < 8; ++j) a[j] = dot(kb + (t + j) * row);
-                _mm256_storeu_ps(s + t0 + t, reduce8(a));
+                _mm256_storeu_ps(s + (t0 - first) + t, reduce8(a));
             }
-            for (; t < tn; ++t) s[t0 + t] = hsum(dot(kb + t * row));
+            for (; t < tn; ++t) s[t0 - first + t] = hsum(dot(kb + t * row));
+            t0 += tn;
         }
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         float max_s = -INFINITY;
         int64_t t = 0;
-        for (; t + 8 <= len; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
-        for (; t < len; ++t) max_s = std::fmax(max_s, s[t]);
+        for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+        for (; t < n; ++t) max_s = std::fmax(max_s, s[t]);
         {
             alignas(32) float tmp[8];
             _mm256_store_ps(tmp, vmax);
             for (float v : tmp) max_s = std::fmax(max_s, v);
         }
         // probabilities, unnormalised; the sum divides the output once
-        const float sum = exp_shifted(s, len, max_s);
+        const float sum = exp_shifted(s, n, max_s);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const T * vb = vc + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * row + kv_head * D;
-            const int64_t tn = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t t0 = first; t0 < len;) {
+            const T * vb = vc + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 % block_size) * row +
+                           kv_head * D;
+            const int64_t tn = std::min(block_size - t0 % block_size, len - t0);
             for (int64_t tt = 0; tt < tn; ++tt) {
-                const __m256 p = _mm256_set1_ps(s[t0 + tt]);
+                const __m256 p = _mm256_set1_ps(s[t0 - first + tt]);
                 const T * vt = vb + tt * row;
                 for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vt + 8 * i), acc[i]);
             }
+            t0 += tn;
         }
         const __m256 inv = _mm256_set1_ps(1.f / sum);
         T * oh = out.ptr<T>() + b * out.stride(0) + h * out.stride(1);
@@ -173,11 +180,11 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
 template <typename T>
 void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale,
-                        const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+                        const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
     }
 }
 
@@ -271,11 +278,11 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, int64_t b, int64_t kv_head, float * scratch) {
+                           const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
-        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, kv_head, scratch); break;
+        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
         default: break;
     }
 }

@@ -24,8 +24,8 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t kv_head,
-                           float * scores) {
+                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
+                           int64_t kv_head, float * scores) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -47,21 +47,21 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
         const int64_t h = kv_head * group + g;
         const int64_t q_off = b * q.stride(0) + h * q.stride(1);
         float max_s = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = first; t < len; ++t) {
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += load_f32(q.data, q_off + d, q.dtype) * load(k_cache, kp, t, d);
-            scores[t] = s * scale;
-            max_s = std::fmax(max_s, scores[t]);
+            scores[t - first] = s * scale;
+            max_s = std::fmax(max_s, scores[t - first]);
         }
         float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-            scores[t] = std::exp(scores[t] - max_s);
-            sum += scores[t];
+        for (int64_t t = first; t < len; ++t) {
+            scores[t - first] = std::exp(scores[t - first] - max_s);
+            sum += scores[t - first];
         }
         const int64_t o_off = b * out.stride(0) + h * out.stride(1);
         for (int64_t d = 0; d < D; ++d) {
             float acc = 0.f;
-            for (int64_t t = 0; t < len; ++t) acc += scores[t] * load(v_cache, vp, t, d);
+            for (int64_t t = first; t < len; ++t) acc += scores[t - first] * load(v_cache, vp, t, d);
             store_f32(out.data, o_off + d, out.dtype, acc / sum);
         }
     }

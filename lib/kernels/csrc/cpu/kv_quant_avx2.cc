@@ -40,7 +40,7 @@ inline __m256 load_codes<4>(const uint8_t * row, int64_t i) {
 template <typename T, int BITS, int NV>
 void attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t kv_head, float * scratch) {
+                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -74,29 +74,29 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
             for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(qv[i], load_codes<BITS>(codes, i), a);
             return a;
         };
-        float * s = scratch + g * len;
-        int64_t t = 0;
+        float * s = scratch + g * (len - first);  // s[i]: the score of token first + i
+        int64_t t = first;
         for (; t + 8 <= len; t += 8) {  // eight tokens share one reduction
             __m256 a[8];
             for (int j = 0; j < 8; ++j) a[j] = dot(kc + row_of(t + j) * row_bytes);
-            _mm256_storeu_ps(s + t, reduce8(a));
+            _mm256_storeu_ps(s + (t - first), reduce8(a));
         }
-        for (; t < len; ++t) s[t] = hsum(dot(kc + row_of(t) * row_bytes));
+        for (; t < len; ++t) s[t - first] = hsum(dot(kc + row_of(t) * row_bytes));
         float max_s = -INFINITY;
-        for (t = 0; t < len; ++t) {
+        for (t = first; t < len; ++t) {
             const float * p = kp + row_of(t) * 2;
-            s[t] = s[t] * p[0] + p[1] * qsum;
-            max_s = std::fmax(max_s, s[t]);
+            s[t - first] = s[t - first] * p[0] + p[1] * qsum;
+            max_s = std::fmax(max_s, s[t - first]);
         }
-        const float sum = exp_shifted(s, len, max_s);
+        const float sum = exp_shifted(s, len - first, max_s);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         float zero_acc = 0.f;
-        for (t = 0; t < len; ++t) {
+        for (t = first; t < len; ++t) {
             const int64_t r = row_of(t);
             const float * p = vp + r * 2;
-            const __m256 w = _mm256_set1_ps(s[t] * p[0]);
-            zero_acc += s[t] * p[1];
+            const __m256 w = _mm256_set1_ps(s[t - first] * p[0]);
+            zero_acc += s[t - first] * p[1];
             const uint8_t * codes = vc + r * row_bytes;
             for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(w, load_codes<BITS>(codes, i), acc[i]);
         }
@@ -110,22 +110,22 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
 template <typename T, int BITS>
 void attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t kv_head, float * scratch) {
+                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
-        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
-        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
+        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
     }
 }
 
 template <typename T>
 void attention_bits(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                     const TensorView & block_tables, const TensorView & context_lens, float scale,
-                    const TensorView & out, const KVQuant & kvq, int64_t b, int64_t kv_head, float * scratch) {
+                    const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     if (kvq.bits == 8) {
-        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch);
+        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch);
     } else {
-        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch);
+        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch);
     }
 }
 
@@ -133,12 +133,12 @@ void attention_bits(const TensorView & q, const TensorView & k_cache, const Tens
 
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t kv_head,
-                                 float * scratch) {
+                                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first,
+                                 int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
-        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
-        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, kv_head, scratch); break;
+        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
         default: break;
     }
 }

@@ -4,6 +4,7 @@
 // of a warp split head_dim (E contiguous elements each, read in one load). A context longer than one
 // partition leaves each partition's (max, sum, unnormalised Σ p v) in a float workspace and
 // combine_kernel merges them by log-sum-exp. Only the summation order differs from the reference.
+// A sliding-window row (window > 0) reads its last `window` tokens, partitions counted from the first.
 #include <cmath>
 
 #include "cuda/common.cuh"
@@ -33,6 +34,7 @@ struct Args {
     int64_t o_row, o_head;
     float * ws;  // null: one partition, the block writes out
     int num_blocks, block_size, num_kv_heads, group, num_heads, D, parts;
+    int window;  // > 0: a row attends to its last `window` tokens only
     float scale;
 };
 
@@ -94,6 +96,9 @@ __device__ __forceinline__ int row_len(const Args & a, int b, int & seq) {
     return len;
 }
 
+// The first token row b attends to: its window's start, or 0. Partitions count from there.
+__device__ __forceinline__ int row_first(const Args & a, int len) { return a.window > 0 ? max(0, len - a.window) : 0; }
+
 template <typename T>
 __device__ __forceinline__ void write_nan(const Args & a, int b, int h) {
     T * o = static_cast<T *>(a.out) + b * a.o_row + h * a.o_head;
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Args a) {
         if (!a.ws && part == 0) write_nan<T>(a, b, h);
         return;  // with a workspace, combine_kernel writes the NaN
     }
-    const int t0 = part * kPart;
+    const int t0 = row_first(a, len) + part * kPart;
     if (t0 >= len) return;
     const int t1 = min(len, t0 + kPart);
     const int kv_head = h / a.group;
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Args a) {
         write_nan<T>(a, b, h);
         return;
     }
-    const int n = (len + kPart - 1) / kPart, stride = a.D + 2;
+    const int n = (len - row_first(a, len) + kPart - 1) / kPart, stride = a.D + 2;
     const float * w = a.ws + (int64_t(b) * a.num_heads + h) * a.parts * stride;
     float M = -INFINITY;
     for (int i = 0; i < n; ++i) M = fmaxf(M, w[i * stride + a.D]);
@@ -251,7 +256,7 @@ int64_t paged_attention_workspace_floats(int64_t rows, int64_t num_heads, int64_
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
                      float scale, const TensorView & out, const PagedKVQuant & kv_quant, float * workspace,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int64_t window) {
     const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
     if (B == 0 || Hq == 0) return;
     const int E = lane_elems(D);
@@ -280,6 +285,7 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
     a.group = static_cast<int>(Hq / k_cache.size(2));
     a.D = static_cast<int>(D);
     a.scale = scale;
+    a.window = static_cast<int>(std::min<int64_t>(window, INT32_MAX));
     const int64_t max_context = block_tables.size(1) * k_cache.size(1);
     a.parts = static_cast<int>(ceil_div(std::max<int64_t>(max_context, 1), kAttentionPartition));
     const int64_t ws_floats = paged_attention_workspace_floats(B, Hq, D, max_context);

@@ -39,10 +39,11 @@ int64_t paged_attention_workspace_floats(int64_t rows, int64_t num_heads, int64_
 // [1, max_blocks * block_size], whose row_seqs entry is not a table, or whose table names a block
 // outside the cache gets NaN, and nothing outside the tensors is read.
 // workspace: paged_attention_workspace_floats(...) float32 elements of device memory; null: the
-// call allocates it on the stream (cudaMallocAsync) when it needs one.
+// call allocates it on the stream (cudaMallocAsync) when it needs one. window > 0: each row attends
+// to its last `window` tokens only (a sliding-window layer; table entries before them are not read).
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
                      float scale, const TensorView & out, const PagedKVQuant & kv_quant, float * workspace,
-                     cudaStream_t stream);
+                     cudaStream_t stream, int64_t window = 0);
 
 }  // namespace lmd::cuda
