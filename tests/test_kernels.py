@@ -3,6 +3,7 @@ versions against their torch twins under the Triton interpreter (TRITON_INTERPRE
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 # Triton decides at @triton.jit time whether a kernel is interpreted: set this before any
 # Triton kernel module of ours is imported.
@@ -42,8 +43,9 @@ def ref_silu_and_mul(x):
     return F.silu(x[:, :inter]) * x[:, inter:]
 
 
-def ref_paged_attention(q, k_cache, v_cache, ctx, scale):
-    """Token by token: gather the visible context through the block table, softmax in float32."""
+def ref_paged_attention(q, k_cache, v_cache, ctx, scale, window=0):
+    """Token by token: gather the visible context (with a window, its last ``window`` tokens) through
+    the block table, softmax in float32."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     bs = ctx.block_size
@@ -51,7 +53,8 @@ def ref_paged_attention(q, k_cache, v_cache, ctx, scale):
     for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
         for j in range(q_len):
             visible = ctx_len - q_len + j + 1
-            slots = [(int(ctx.block_tables[i, p // bs]), p % bs) for p in range(visible)]
+            first = max(0, visible - window) if window else 0
+            slots = [(int(ctx.block_tables[i, p // bs]), p % bs) for p in range(first, visible)]
             k = torch.stack([k_cache[b, o] for b, o in slots]).float()    # [L, Hk, D]
             v = torch.stack([v_cache[b, o] for b, o in slots]).float()
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -113,6 +116,24 @@ def test_torch_paged_attention(case, dtype):
     scale = head_dim ** -0.5
     out = torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale)
     torch.testing.assert_close(out, ref_paged_attention(q, k_cache, v_cache, ctx, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize('backend', ['torch', 'native', 'triton'])
+@pytest.mark.parametrize('window', [1, 3, 8, 100])
+@pytest.mark.parametrize('case', ATTN_CASES)
+def test_paged_attention_over_a_sliding_window(case, window, backend):
+    """Every backend's attention over a window; the blocks wholly before every query's window are
+    freed (-1 in the table) and never read."""
+    query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim = case
+    ctx, k_cache, v_cache = make_ctx(query_lens, context_lens, block_size, num_kv_heads, head_dim, torch.float32)
+    q = torch.randn(sum(query_lens), num_heads, head_dim)
+    want = ref_paged_attention(q, k_cache, v_cache, ctx, head_dim ** -0.5, window)
+    tables = ctx.block_tables.clone()
+    for i, (q_len, n) in enumerate(zip(query_lens, context_lens)):
+        tables[i, :max(0, n - q_len + 1 - window) // block_size] = -1
+    freed = replace(ctx, block_tables=tables, derived={})
+    out = get_kernels('cpu', backend).paged_attention(q, k_cache, v_cache, freed, head_dim ** -0.5, window=window)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
 
 
 def test_dispatch_table():

@@ -42,7 +42,7 @@ class Kernels:
     silu_and_mul: Callable      # (x[T, 2I]) -> [T, I]
     # The three cache kernels take k_params=, v_params= too: a quantized cache (torch_ops' docstring).
     fill_kv_cache: Callable     # (k, v[T, Hk, D], k_cache, v_cache, slot_mapping[T]) -> None
-    paged_attention: Callable   # (q[T, Hq, D], k_cache, v_cache, ctx, scale) -> [T, Hq, D]
+    paged_attention: Callable   # (q[T, Hq, D], k_cache, v_cache, ctx, scale, window=0) -> [T, Hq, D]
     # (x[T, H], residual[T, H], weight[H], eps) -> rms_norm(residual += x)
     add_rms_norm: Callable = torch_ops.add_rms_norm
     # (qkv[T, (Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping, Hq, Hk) -> rotated q[T, Hq, D]
@@ -93,10 +93,10 @@ def _native_available() -> bool:
 
 def _float_cache_only(kernel: Callable, reference: Callable) -> Callable:
     """``kernel`` for a float cache, ``reference`` (torch) for a quantized one."""
-    def call(*args, k_params=None, v_params=None):
+    def call(*args, k_params=None, v_params=None, **kwargs):
         if k_params is None:
-            return kernel(*args)
-        return reference(*args, k_params=k_params, v_params=v_params)
+            return kernel(*args, **kwargs)
+        return reference(*args, k_params=k_params, v_params=v_params, **kwargs)
     return call
 
 

@@ -192,17 +192,20 @@ def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Decode rows read their own table; prefill rows (as native.py) are queries over their visible
-    context, sharing their sequence's table through row_seqs. Float or quantized cache."""
+    context, sharing their sequence's table through row_seqs. Float or quantized cache; with a
+    window, each row's last ``window`` tokens."""
     if q.dim() != 3 or q.dtype not in _DTYPES or not _attention_supports(q.shape[-1]):
-        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params)
+        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params,
+                                         window=window)
     if ctx.is_decode:
-        return _attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, None, scale, k_params, v_params)
+        return _attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, None, scale, k_params, v_params,
+                          window)
     rows = ctx.derived.get('cuda_rows')
     if rows is None:
         rows = ctx.derived['cuda_rows'] = _prefill_rows(ctx, q.shape[0], q.device)
-    return _attention(q, k_cache, v_cache, ctx.block_tables, rows[1], rows[0], scale, k_params, v_params)
+    return _attention(q, k_cache, v_cache, ctx.block_tables, rows[1], rows[0], scale, k_params, v_params, window)
 
 
 def _prefill_rows(ctx: StepContext, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +224,7 @@ def _prefill_rows(ctx: StepContext, num_rows: int, device: torch.device) -> tupl
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, row_seqs: torch.Tensor | None, scale: float,
-               k_params: torch.Tensor | None, v_params: torch.Tensor | None) -> torch.Tensor:
+               k_params: torch.Tensor | None, v_params: torch.Tensor | None, window: int = 0) -> torch.Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_rows, num_heads, head_dim = q.shape
@@ -233,5 +236,5 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     kcuda.paged_decode_attention(
         to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(block_tables), to_dlpack(context_lens),
         scale, to_dlpack(out), stream=_stream(), row_seqs=None if row_seqs is None else to_dlpack(row_seqs),
-        workspace=None if workspace is None else to_dlpack(workspace), **params)
+        workspace=None if workspace is None else to_dlpack(workspace), window=window, **params)
     return out

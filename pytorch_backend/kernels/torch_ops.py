@@ -191,34 +191,38 @@ def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     return q
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's cached K or V in order: [context_len, Hk, D]."""
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                    first_block: int = 0) -> torch.Tensor:
+    """One sequence's cached K or V in order from block ``first_block`` on: [context_len - its first
+    token, Hk, D]."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks])
-    return blocks.flatten(0, 1)[:context_len]
+    blocks = cache.index_select(0, block_table[first_block:num_blocks])
+    return blocks.flatten(0, 1)[:context_len - first_block * block_size]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Attention of the new tokens q[T, Hq, D] over each sequence's whole cached context.
 
     The new tokens of sequence i sit at positions context_len_i - query_len_i ...
-    context_len_i - 1 and see every cached token at or before their own position.
+    context_len_i - 1 and see every cached token at or before their own position (with
+    ``window`` > 0, a sliding-window layer: the last ``window`` of them, itself included; the
+    table's blocks wholly before every query's window are not read).
     Returns [T, Hq, D] in q's dtype; scores and softmax run in float32 for
     half-precision inputs (as HF eager does). A quantized cache (k_params, v_params)
     is read through a dequantized copy of the blocks the step uses.
     """
     if k_params is not None:
         k_cache, v_cache, ctx = _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx)
-    if ctx.is_decode:
+    if ctx.is_decode and not window:
         return _decode_attention(q, k_cache, v_cache, ctx, scale)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
         out[start:start + q_len] = attend_one(q[start:start + q_len], k_cache, v_cache, ctx.block_tables[i],
-                                              ctx_len, scale)
+                                              ctx_len, scale, window)
         start += q_len
     return out
 
@@ -233,25 +237,29 @@ def _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx: StepContex
 
 
 def attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-               context_len: int, scale: float) -> torch.Tensor:
-    """One sequence's new tokens q[Lq, Hq, D], the last Lq of its context_len cached tokens."""
-    k = _gather_context(k_cache, block_table, context_len)
-    v = _gather_context(v_cache, block_table, context_len)
-    return _prefill_one(q, k, v, scale)
+               context_len: int, scale: float, window: int = 0) -> torch.Tensor:
+    """One sequence's new tokens q[Lq, Hq, D], the last Lq of its context_len cached tokens (with a
+    window, read from the first block any of them sees)."""
+    first = max(0, context_len - q.shape[0] + 1 - window) // k_cache.shape[1] if window else 0
+    k = _gather_context(k_cache, block_table, context_len, first)
+    v = _gather_context(v_cache, block_table, context_len, first)
+    return _prefill_one(q, k, v, scale, window)
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q[Lq, Hq, D] against k, v[Lk, Hk, D]: the queries are the last Lq of the Lk positions."""
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q[Lq, Hq, D] against k, v[Lk, Hk, D]: the queries are the last Lq of the Lk positions; with a
+    window, each sees its last ``window`` positions only."""
     q_len, num_heads, _ = q.shape
     ctx_len, num_kv_heads, _ = k.shape
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_heads != num_kv_heads
-    if q_len == ctx_len:
+    if q_len == ctx_len and not window:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # bottom-right aligned causal mask: query j sits at position ctx_len - q_len + j
-        qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
+        qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+        kpos = torch.arange(ctx_len, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
 
