@@ -13,6 +13,11 @@ state:
 
 A full block's key is ``hash((parent_key, tuple(its token ids)))``: equal keys mean
 equal tokens at equal positions, so equal K/V. Only full blocks are keyed.
+
+With a sliding ``window`` on every layer (Mistral), a sequence lets go of the blocks no query of
+it will read again, those wholly before its next query's window, as it runs
+(``release_outside_window``): their place in ``seq.block_ids`` holds ``RELEASED``, so block i still
+holds tokens i * block_size ..., and the kernels never read a released entry.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from collections import OrderedDict, deque
 from .sequence import Sequence
 
 _ROOT_HASH = 0x6C6D64  # the parent key of a sequence's first block
+RELEASED = -1  # a block_ids entry a sliding window no longer reads, given back
 
 
 def _block_key(parent: int, tokens: tuple[int, ...]) -> int:
@@ -29,12 +35,14 @@ def _block_key(parent: int, tokens: tuple[int, ...]) -> int:
 
 class BlockManager:
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f'BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}')
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, window: int = 0):
+        if num_blocks < 1 or block_size < 1 or window < 0:
+            raise ValueError(f'BlockManager needs num_blocks >= 1, block_size >= 1 and window >= 0, got {num_blocks}, '
+                             f'{block_size}, {window}')
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # > 0: every layer reads only its last `window` tokens
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -126,15 +134,31 @@ class BlockManager:
         """Drop ``seq``'s hold on its blocks; registered ones stay reusable until evicted."""
         # last block first, so a sequence's tail is evicted before its head (heads are shared more)
         for b in reversed(seq.block_ids):
-            self._ref_counts[b] -= 1
-            assert self._ref_counts[b] >= 0, f'block {b} freed more often than taken'
-            if self._ref_counts[b] == 0:
-                if self._block_key[b] is not None:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+            if b != RELEASED:
+                self._drop(b)
         seq.block_ids = []
         seq.block_hashes = []
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """With a window: give back ``seq``'s blocks wholly before the window of its next query (at
+        position ``num_computed_tokens``, which reads keys from ``num_computed_tokens - window + 1`` on)."""
+        if not self.window:
+            return
+        first_read = seq.num_computed_tokens - self.window + 1
+        for i in range(min(max(0, first_read) // self.block_size, len(seq.block_ids))):
+            if seq.block_ids[i] != RELEASED:
+                self._drop(seq.block_ids[i])
+                seq.block_ids[i] = RELEASED
+
+    def _drop(self, b: int) -> None:
+        """One holder less for block b; at none it is free, or cached if it is a registered prefix."""
+        self._ref_counts[b] -= 1
+        assert self._ref_counts[b] >= 0, f'block {b} freed more often than taken'
+        if self._ref_counts[b] == 0:
+            if self._block_key[b] is not None:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register ``seq``'s blocks that are full and computed in the prefix cache."""
@@ -152,7 +176,7 @@ class BlockManager:
             hashes.append(key)
             parent = key
             b = seq.block_ids[i]
-            if key not in self._key_to_block and self._block_key[b] is None:
+            if b != RELEASED and key not in self._key_to_block and self._block_key[b] is None:
                 self._key_to_block[key] = b
                 self._block_key[b] = key
                 self._block_tokens[b] = tokens
@@ -194,5 +218,6 @@ class BlockManager:
             held = [0] * self.num_blocks
             for s in seqs:
                 for b in s.block_ids:
-                    held[b] += 1
+                    if b != RELEASED:
+                        held[b] += 1
             assert held == self._ref_counts, 'ref counts differ from the blocks sequences hold'

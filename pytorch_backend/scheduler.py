@@ -161,6 +161,7 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
+            bm.release_outside_window(seq)
 
     def finish(self, seq: Sequence, keep: bool = False) -> None:
         """Take ``seq`` out of the queues; ``keep``: an interactive session keeps its blocks, idle."""

@@ -218,3 +218,29 @@ def test_double_free_is_caught():
     a.block_ids = ids
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+@pytest.mark.parametrize('prefix_caching', [False, True])
+def test_a_sliding_window_gives_back_the_blocks_no_query_reads_again(prefix_caching):
+    """window 6, blocks of 4: after computing n tokens, the next query (position n) reads keys from
+    n - 5 on, so the blocks wholly before that are given back, and the accounting holds throughout."""
+    from lmd.pytorch_backend.block_manager import RELEASED
+    bm = BlockManager(8, BS, enable_prefix_caching=prefix_caching, window=6)
+    seq, other = make_seq(range(30)), make_seq(range(100, 105), sid=1)
+    assert bm.allocate(other, 5)
+    for n in range(1, 31):
+        assert bm.allocate(seq, n)
+        seq.num_computed_tokens = n
+        bm.cache_full_blocks(seq)
+        bm.release_outside_window(seq)
+        check(bm, seq, other)
+        released = max(0, n - 5) // BS
+        assert seq.block_ids[:released] == [RELEASED] * released
+        assert RELEASED not in seq.block_ids[released:]
+        assert bm.num_used_blocks == len(seq.block_ids) - released + len(other.block_ids)
+    # 30 tokens in 8 blocks of 4, one of them another sequence's: only the window's fit at once
+    assert len(seq.block_ids) == 8 and bm.num_used_blocks <= 4
+    assert (bm.num_cached_blocks > 0) == prefix_caching  # released full blocks stay reusable prefixes
+    bm.free(seq)
+    check(bm, other)
+    assert bm.num_used_blocks == len(other.block_ids)
