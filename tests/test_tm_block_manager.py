@@ -33,9 +33,10 @@ class Pair:
 class Both:
     """Runs each operation on the Python and the C++ block manager and checks they agree."""
 
-    def __init__(self, num_blocks, block_size=BS, prefix=True):
-        self.py = PyBlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-        self.tm = ep.BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    def __init__(self, num_blocks, block_size=BS, prefix=True, window=0):
+        self.py = PyBlockManager(num_blocks, block_size, enable_prefix_caching=prefix, window=window)
+        self.tm = ep.BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, window=window)
+        self.num_released = 0  # released entries seen in the live sequences, over every check
 
     def match_prefix(self, tokens):
         hit = self.py.match_prefix(list(tokens))
@@ -56,6 +57,8 @@ class Both:
         s.set_computed(s.py.num_tokens if n is None else n)
         self.py.cache_full_blocks(s.py)
         self.tm.cache_full_blocks(s.tm)
+        self.py.release_outside_window(s.py)   # a sliding window gives back what it no longer reads
+        self.tm.release_outside_window(s.tm)
 
     def check(self, live):
         py, tm = self.py, self.tm
@@ -70,12 +73,14 @@ class Both:
         for s in live:
             assert s.tm.block_ids == s.py.block_ids
             assert len(s.tm.block_hashes) == len(s.py.block_hashes)
+            self.num_released += s.py.block_ids.count(-1)
 
 
-@pytest.mark.parametrize('seed,num_blocks,prefix', [(0, 24, True), (1, 12, True), (2, 40, True), (3, 16, False)])
-def test_random_operations_match_the_python_block_manager(seed, num_blocks, prefix):
+@pytest.mark.parametrize('seed,num_blocks,prefix,window', [(0, 24, True, 0), (1, 12, True, 0), (2, 40, True, 0),
+                                                            (3, 16, False, 0), (4, 24, True, 6), (5, 16, False, 9)])
+def test_random_operations_match_the_python_block_manager(seed, num_blocks, prefix, window):
     rng = random.Random(seed)
-    both = Both(num_blocks, prefix=prefix)
+    both = Both(num_blocks, prefix=prefix, window=window)
     live: list[Pair] = []
     heads = [[rng.randint(0, 9) for _ in range(14)] for _ in range(4)]  # shared prompt heads
     for step in range(700):
@@ -114,6 +119,7 @@ def test_random_operations_match_the_python_block_manager(seed, num_blocks, pref
     assert both.tm.num_used_blocks == 0
     if prefix:
         assert both.tm.num_prefix_hit_tokens > 0  # the driver did exercise the prefix cache
+    assert (both.num_released > 0) == (window > 0)  # and the window gave blocks back
 
 
 def test_hit_never_covers_the_last_prompt_token():

@@ -61,14 +61,17 @@ void bind_block_manager(py::module_ & m) {
         .def("append_token", [](BlockSequence & s, int32_t t) { s.token_ids.push_back(t); });
 
     py::class_<BlockManager>(m, "BlockManager")
-        .def(py::init([](int32_t num_blocks, int32_t block_size, bool enable_prefix_caching) {
-                 if (num_blocks < 1 || block_size < 1) {
-                     fail("BlockManager needs num_blocks >= 1 and block_size >= 1, got " + std::to_string(num_blocks) +
-                          ", " + std::to_string(block_size));
+        .def(py::init([](int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int64_t window) {
+                 if (num_blocks < 1 || block_size < 1 || window < 0) {
+                     fail("BlockManager needs num_blocks >= 1, block_size >= 1 and window >= 0, got " +
+                          std::to_string(num_blocks) + ", " + std::to_string(block_size) + ", " +
+                          std::to_string(window));
                  }
-                 return new BlockManager(num_blocks, block_size, enable_prefix_caching);
+                 return new BlockManager(num_blocks, block_size, enable_prefix_caching, window);
              }),
-             py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching") = false)
+             py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching") = false,
+             py::arg("window") = 0)
+        .def_property_readonly("window", &BlockManager::window)
         .def_property_readonly("num_blocks", &BlockManager::num_blocks)
         .def_property_readonly("block_size", &BlockManager::block_size)
         .def_property_readonly("enable_prefix_caching", &BlockManager::enable_prefix_caching)
@@ -104,6 +107,7 @@ void bind_block_manager(py::module_ & m) {
              },
              py::arg("seq"))
         .def("cache_full_blocks", &BlockManager::cache_full_blocks, py::arg("seq"))
+        .def("release_outside_window", &BlockManager::release_outside_window, py::arg("seq"))
         .def("check_invariants",
              [](const BlockManager & bm, py::object seqs) {
                  std::string err;

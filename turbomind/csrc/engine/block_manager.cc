@@ -26,8 +26,8 @@ uint64_t block_key(uint64_t parent, const int32_t * tokens, int64_t n) {
     return h;
 }
 
-BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
-    : num_blocks_(num_blocks), block_size_(block_size), enable_prefix_caching_(enable_prefix_caching),
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int64_t window)
+    : num_blocks_(num_blocks), block_size_(block_size), enable_prefix_caching_(enable_prefix_caching), window_(window),
       ref_counts_(num_blocks, 0), lru_prev_(num_blocks + 1), lru_next_(num_blocks + 1), in_lru_(num_blocks, 0),
       has_key_(num_blocks, 0), block_key_(num_blocks, 0), block_parent_(num_blocks, 0) {
     for (int32_t b = 0; b < num_blocks; ++b) free_.push_back(b);
@@ -118,21 +118,37 @@ bool BlockManager::free(BlockSequence & seq) {
     // check first, so a double free changes nothing
     std::unordered_map<int32_t, int32_t> held;
     for (int32_t b : seq.block_ids) {
+        if (b == kReleased) continue;
         if (b < 0 || b >= num_blocks_ || ++held[b] > ref_counts_[b]) return false;
     }
     for (auto it = seq.block_ids.rbegin(); it != seq.block_ids.rend(); ++it) {
-        const int32_t b = *it;
-        if (--ref_counts_[b] == 0) {
-            if (has_key_[b]) {
-                lru_push_back(b);
-            } else {
-                free_.push_back(b);
-            }
-        }
+        if (*it != kReleased) drop(*it);
     }
     seq.block_ids.clear();
     seq.block_hashes.clear();
     return true;
+}
+
+void BlockManager::drop(int32_t b) {
+    if (--ref_counts_[b] == 0) {
+        if (has_key_[b]) {
+            lru_push_back(b);
+        } else {
+            free_.push_back(b);
+        }
+    }
+}
+
+void BlockManager::release_outside_window(BlockSequence & seq) {
+    if (window_ <= 0) return;
+    const int64_t first_read = std::max<int64_t>(0, seq.num_computed_tokens - window_ + 1);
+    const int64_t n = std::min<int64_t>(first_read / block_size_, (int64_t) seq.block_ids.size());
+    for (int64_t i = 0; i < n; ++i) {
+        if (seq.block_ids[i] != kReleased) {
+            drop(seq.block_ids[i]);
+            seq.block_ids[i] = kReleased;
+        }
+    }
 }
 
 void BlockManager::cache_full_blocks(BlockSequence & seq) {
@@ -148,7 +164,7 @@ void BlockManager::cache_full_blocks(BlockSequence & seq) {
         const uint64_t key = key_of(parent, tokens);
         hashes.push_back(key);
         const int32_t b = seq.block_ids[i];
-        if (!has_key_[b] && key_to_block_.find(key) == key_to_block_.end()) {
+        if (b != kReleased && !has_key_[b] && key_to_block_.find(key) == key_to_block_.end()) {
             key_to_block_.emplace(key, b);
             has_key_[b] = 1;
             block_key_[b] = key;
@@ -216,6 +232,7 @@ std::string BlockManager::check_invariants(const std::vector<const BlockSequence
         std::vector<int32_t> held(num_blocks_, 0);
         for (const BlockSequence * s : *seqs) {
             for (int32_t b : s->block_ids) {
+                if (b == kReleased) continue;
                 if (b < 0 || b >= num_blocks_) return "a sequence holds an id out of range: " + std::to_string(b);
                 ++held[b];
             }

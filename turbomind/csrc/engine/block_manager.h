@@ -14,6 +14,11 @@
 // kRootKey. The block's tokens and parent key are kept beside the key: a key hit whose tokens or
 // parent differ is a collision and counts as a miss. Only full, computed blocks are keyed.
 //
+// With a sliding window on every layer (Mistral), a sequence gives back the blocks no query of it
+// reads again, those wholly before its next query's window (release_outside_window): their place
+// in block_ids holds kReleased, so block i still holds tokens [i*block_size, ...); the attention
+// kernels never read a released entry.
+//
 // Not thread-safe: the engine thread owns it.
 #pragma once
 
@@ -47,6 +52,8 @@ struct PrefixMatch {
 
 // The parent key of a sequence's first block (the Python version's _ROOT_HASH).
 constexpr uint64_t kRootKey = 0x6C6D64;
+// A block_ids entry a sliding window no longer reads, given back (the Python version's RELEASED).
+constexpr int32_t kReleased = -1;
 
 // The key of a full block: splitmix64-style mixing of the parent key, the token count and each
 // token id. Deterministic across runs and machines.
@@ -54,12 +61,14 @@ uint64_t block_key(uint64_t parent, const int32_t * tokens, int64_t n);
 
 class BlockManager {
 public:
-    // num_blocks >= 1 and block_size >= 1 (the caller checks; the binding raises ValueError)
-    BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching);
+    // num_blocks >= 1, block_size >= 1, window >= 0 (the caller checks; the binding raises ValueError);
+    // window > 0: every layer reads only a query's last `window` tokens
+    BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int64_t window = 0);
 
     int32_t num_blocks() const { return num_blocks_; }
     int32_t block_size() const { return block_size_; }
     bool enable_prefix_caching() const { return enable_prefix_caching_; }
+    int64_t window() const { return window_; }
 
     // ---- counters
     int32_t num_free_blocks() const { return (int32_t) free_.size(); }
@@ -95,6 +104,10 @@ public:
     // Register seq's blocks that are full and computed (num_computed_tokens) in the prefix cache.
     void cache_full_blocks(BlockSequence & seq);
 
+    // With a window: give back seq's blocks wholly before the window of its next query (at position
+    // num_computed_tokens, which reads keys from num_computed_tokens - window + 1 on).
+    void release_outside_window(BlockSequence & seq);
+
     // "" when the accounting is right, else what is wrong. seqs: every sequence holding blocks
     // (nullptr: skip the check of ref counts against them).
     std::string check_invariants(const std::vector<const BlockSequence *> * seqs = nullptr) const;
@@ -111,12 +124,14 @@ private:
     uint64_t key_of(uint64_t parent, const int32_t * tokens) const;
     bool block_matches(int32_t b, uint64_t parent, const int32_t * tokens) const;
     int32_t take_block();
+    void drop(int32_t b);  // one holder less; at none: free, or cached if registered
     void lru_push_back(int32_t b);
     void lru_remove(int32_t b);
 
     int32_t num_blocks_;
     int32_t block_size_;
     bool enable_prefix_caching_;
+    int64_t window_;
     uint64_t key_mask_ = ~uint64_t(0);
 
     std::vector<int32_t> ref_counts_;

@@ -12,7 +12,7 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
     : model_(std::move(model)),
       config_(config),
       constraint_ops_(std::move(constraint_ops)),
-      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
+      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.window),
       scheduler_(blocks_, config.max_batch_size, config.max_num_batched_tokens),
       sampler_(config.sampler_seed) {
     update_stats();

@@ -85,6 +85,7 @@ struct EngineConfig {
     int32_t num_blocks = 0;
     int32_t block_size = 64;
     bool enable_prefix_caching = false;
+    int64_t window = 0;         // > 0: every layer's sliding window (blocks before it are given back)
     uint64_t sampler_seed = 0;  // the stream of requests without a random_seed
 };
 

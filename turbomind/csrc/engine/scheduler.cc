@@ -110,6 +110,7 @@ void Scheduler::update(const SchedulerOutput & out) {
     for (size_t i = 0; i < out.seqs.size(); ++i) {
         out.seqs[i]->blocks.num_computed_tokens += out.num_scheduled_tokens[i];
         blocks_.cache_full_blocks(out.seqs[i]->blocks);
+        blocks_.release_outside_window(out.seqs[i]->blocks);
     }
 }
 
