@@ -8,13 +8,18 @@ from typing import Any
 
 from .errors import ModelFormatError
 
-# HF architecture name -> our family name; all four are decoder-only Llama-style models.
+# HF architecture name -> our family name; all are decoder-only Llama-style models (Phi-3 stores
+# q/k/v and gate/up fused; SmolLM3 leaves RoPE out of some layers).
 SUPPORTED_ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',
     'MistralForCausalLM': 'mistral',
     'Qwen2ForCausalLM': 'qwen2',
     'Qwen3ForCausalLM': 'qwen3',
+    'SmolLM3ForCausalLM': 'smollm3',
+    'Phi3ForCausalLM': 'phi3',
 }
+# families whose config switches its sliding window on and off (use_sliding_window, HF's default False)
+_WINDOW_SWITCHED = ('qwen2', 'qwen3', 'smollm3')
 
 # config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's and vLLM's names);
 # the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
@@ -30,7 +35,7 @@ class ModelConfigError(ModelFormatError):
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str            # HF name, e.g. 'LlamaForCausalLM'
-    family: str                  # 'llama' | 'mistral' | 'qwen2' | 'qwen3'
+    family: str                  # SUPPORTED_ARCHITECTURES' values: 'llama' | 'mistral' | ... | 'phi3'
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,12 +54,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str             # the checkpoint's dtype: 'float32' | 'bfloat16' | 'float16'
     quantization_config: dict | None = None
+    rope_layers: tuple[bool, ...] = ()  # per layer: RoPE on q and k (SmolLM3's NoPE layers: False); (): every layer
+    sliding_window: int | None = None   # each token attends to at most this many (itself included); None: all
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_format(self) -> str:
         """The weight format config.json declares: one of ``QUANTIZED_FORMATS`` (quantization_config), or 'hf'."""
         return QUANT_METHODS[self.quantization_config['quant_method']] if self.quantization_config else 'hf'
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates q and k."""
+        return not self.rope_layers or self.rope_layers[layer]
 
     @staticmethod
     def from_dict(cfg: dict[str, Any], where: str = 'config.json') -> 'ModelConfig':
@@ -105,6 +116,8 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 torch_dtype=dtype if dtype in ('float32', 'bfloat16', 'float16') else 'float32',
                 quantization_config=cfg.get('quantization_config'),
+                rope_layers=_rope_layers(cfg, family),
+                sliding_window=_sliding_window(cfg, family),
                 raw=dict(cfg),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -121,3 +134,29 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ModelConfigError(f'{path}: cannot read it as JSON ({e})') from None
         return ModelConfig.from_dict(cfg, where=path)
+
+
+def _rope_layers(cfg: dict, family: str) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE flags: ``no_rope_layers[i]`` is 1 where layer i uses RoPE (HF's
+    ``use_rope = config.no_rope_layers[layer_idx]``), else every ``no_rope_layer_interval``-th layer
+    goes without; () for the other families (every layer rotates)."""
+    if family != 'smollm3':
+        return ()
+    num_layers = int(cfg['num_hidden_layers'])
+    flags = cfg.get('no_rope_layers')
+    if flags is None:
+        interval = int(cfg.get('no_rope_layer_interval', 4))
+        flags = [(i + 1) % interval != 0 for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f'no_rope_layers has {len(flags)} entries for {num_layers} layers')
+    return tuple(bool(f) for f in flags)
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """The attention window HF applies, or None: ``sliding_window`` where the family's config has no
+    switch for it (Mistral, Phi-3), else only with ``use_sliding_window``."""
+    window = cfg.get('sliding_window')
+    if family in _WINDOW_SWITCHED and not cfg.get('use_sliding_window', False):
+        return None
+    return int(window) if window else None
+

@@ -122,6 +122,7 @@ class PytorchEngine(Engine):
                                                 cfg.cache_max_entry_count, max_bytes, session_len, block_size)
         session_len = fit_session_len(session_len, num_blocks, block_size)
         self.session_len = session_len
+        model.build_rope(session_len)  # LongRoPE picks its factors by the longest sequence served
 
         self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
         self.block_manager = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)

@@ -233,6 +233,6 @@ def test_rope_frequencies_match_hf(rope_parameters):
 def test_unsupported_rope_type_is_a_clear_error():
     import dataclasses
     _, config, weights = make_hf_model('llama')
-    config = dataclasses.replace(config, rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0]})
-    with pytest.raises(ModelFormatError, match='longrope'):
+    config = dataclasses.replace(config, rope_scaling={'rope_type': 'dynamic', 'factor': 2.0})
+    with pytest.raises(ModelFormatError, match="'dynamic' is not supported"):
         build_model(config, weights, torch.float32)

@@ -78,7 +78,7 @@ class TurbomindEngine(Engine):
         tensors, self.model_format = load_fused(model_dir, mc, self.dtype, cfg.model_format)
         try:
             self.model = TurbomindModel.from_fused(mc, tensors, self.dtype, num_blocks, block_size,
-                                                   cfg.quant_policy, cfg.int8_activations)
+                                                   cfg.quant_policy, cfg.int8_activations, session_len)
         except ValueError as e:  # a tensor the C++ model cannot take
             raise ModelFormatError(f'{model_dir}: {e}') from None
         del tensors

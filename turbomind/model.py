@@ -17,6 +17,7 @@ from torch.utils.dlpack import to_dlpack
 
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import DTYPE_NAMES
+from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
 from lmd.kernels import ops
@@ -72,29 +73,35 @@ class TurbomindModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  num_blocks: int, block_size: int, quantized: dict[str, tuple] | None = None,
-                 quant_policy: int = 0, int8_activations: bool = False):
+                 quant_policy: int = 0, int8_activations: bool = False, session_len: int | None = None):
         """HF-named ``weights`` (and ``quantized`` ones, see ``fuse_weights``), fused here.
         ``quant_policy``: 0 keeps the KV cache in ``dtype``; 8 / 4 quantizes it to int8 / int4
         per token and head (asymmetric, a float32 scale and zero each). ``int8_activations``:
-        the W4A16 and W8A16 matmuls quantize x to int8 per 32 k (``TurbomindEngineConfig``)."""
+        the W4A16 and W8A16 matmuls quantize x to int8 per 32 k (``TurbomindEngineConfig``).
+        ``session_len``: the longest sequence served (LongRoPE picks its factors by it; default:
+        the model's context)."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self._build(config, fuse_weights(config, weights, dtype, quantized), dtype, num_blocks, block_size,
-                    quant_policy, int8_activations)
+                    quant_policy, int8_activations, session_len)
 
     @classmethod
     def from_fused(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                    num_blocks: int, block_size: int, quant_policy: int = 0,
-                   int8_activations: bool = False) -> 'TurbomindModel':
+                   int8_activations: bool = False, session_len: int | None = None) -> 'TurbomindModel':
         """From tensors ``fuse_weights`` made (e.g. read back from a converted directory)."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self = cls.__new__(cls)
-        self._build(config, dict(tensors), dtype, num_blocks, block_size, quant_policy, int8_activations)
+        self._build(config, dict(tensors), dtype, num_blocks, block_size, quant_policy, int8_activations,
+                    session_len)
         return self
 
     def _build(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-               num_blocks: int, block_size: int, quant_policy: int = 0, int8_activations: bool = False) -> None:
+               num_blocks: int, block_size: int, quant_policy: int = 0, int8_activations: bool = False,
+               session_len: int | None = None) -> None:
+        if session_len is not None:
+            tensors['cos_sin'] = build_cos_sin_cache(config, dtype, 'cpu', session_len)
         self.config = config
         self.dtype = dtype
         self.block_size = block_size
@@ -104,7 +111,8 @@ class TurbomindModel:
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-                   qk_norm=config.qk_norm, int8_activations=int8_activations)
+                   qk_norm=config.qk_norm, int8_activations=int8_activations,
+                   use_rope=[config.uses_rope(n) for n in range(config.num_layers)])
         self.int8_activations = int8_activations
         self._cpp_config = cfg
         self.cpp = self._new_cpp(num_blocks)

@@ -14,6 +14,8 @@ import torch
 
 from lmd.model_config import ModelConfig
 
+from .rope import longrope_original_len
+
 logger = logging.getLogger('lmd.weights')
 
 # A session never asks for more than this unless session_len says so.
@@ -55,8 +57,21 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, qua
 
 
 def default_session_len(config: ModelConfig, session_len: int | None) -> int:
-    """``session_len`` as asked, else the model's context capped at ``DEFAULT_MAX_SESSION_LEN``."""
-    return session_len or min(config.max_position_embeddings, DEFAULT_MAX_SESSION_LEN)
+    """``session_len`` as asked, else the model's context capped at ``DEFAULT_MAX_SESSION_LEN``, at a
+    sliding window and at a LongRoPE model's original context (``rope.py``: there every sequence gets
+    the rotary factors HF gives it).
+
+    lmd has no sliding-window attention: a session no longer than the window is one the window never
+    cuts, so it runs as HF runs it; a longer one asked for is a ValueError."""
+    window = config.sliding_window
+    if session_len is not None and window is not None and session_len > window:
+        raise ValueError(f'session_len={session_len} is longer than the sliding window ({window} tokens) of this '
+                         f'{config.architecture}; lmd has no sliding-window attention, so a session must fit the '
+                         f'window: set session_len <= {window}')
+    if session_len:
+        return session_len
+    limits = [config.max_position_embeddings, DEFAULT_MAX_SESSION_LEN, window, longrope_original_len(config)]
+    return min(n for n in limits if n is not None)
 
 
 def num_blocks_from_memory(block_bytes: int, device: torch.device, cache_max_entry_count: float,

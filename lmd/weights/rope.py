@@ -3,6 +3,15 @@
 ``cos_sin_cache[max_position, rotary_dim]`` = ``cat(cos, sin)`` over the
 ``rotary_dim // 2`` frequencies, times the rope type's attention factor, in the
 model dtype (HF rounds cos/sin to the activations' dtype before using them).
+
+LongRoPE (Phi-3) has two sets of per-frequency factors, and HF picks one per forward pass by the
+sequence length it runs: ``long_factor`` past ``original_max_position_embeddings``, else
+``short_factor``. A table is fixed per position, so here the set is picked by the longest sequence
+the engine serves (its ``session_len``): short when that fits the original context (then every
+sequence gets exactly what HF gives it), long when it does not (exact for sequences past the
+original context; shorter ones then get the long factors where HF would use the short ones).
+``default_session_len`` (``memory.py``) keeps a LongRoPE model's session within the original
+context unless asked for more.
 """
 from __future__ import annotations
 
@@ -21,8 +30,17 @@ MAX_CACHED_POSITIONS = 1 << 18
 def rope_params(config: ModelConfig) -> dict:
     scaling = dict(config.rope_scaling or {})
     rope_type = scaling.get('rope_type') or scaling.get('type') or 'default'
-    scaling['rope_type'] = rope_type
+    scaling['rope_type'] = 'longrope' if rope_type == 'su' else rope_type  # 'su': Phi-3's early name
     return scaling
+
+
+def longrope_original_len(config: ModelConfig) -> int | None:
+    """A LongRoPE model's original context (``original_max_position_embeddings``), else None."""
+    p = rope_params(config)
+    if p['rope_type'] != 'longrope':
+        return None
+    return int(p.get('original_max_position_embeddings') or config.raw.get('original_max_position_embeddings')
+               or config.max_position_embeddings)
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -30,8 +48,9 @@ def rotary_dim(config: ModelConfig) -> int:
     return int(config.head_dim * float(factor))
 
 
-def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies [rotary_dim // 2] (float32) and the cos/sin scale of the rope type."""
+def compute_inv_freq(config: ModelConfig, session_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [rotary_dim // 2] (float32) and the cos/sin scale of the rope type, for
+    sequences up to ``session_len`` (default: the model's context; LongRoPE picks its factors by it)."""
     p = rope_params(config)
     rope_type = p['rope_type']
     base = float(p.get('rope_theta') or config.rope_theta)
@@ -56,9 +75,29 @@ def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == 'yarn':
         return _yarn_inv_freq(p, base, dim, config)
+    if rope_type == 'longrope':
+        return _longrope_inv_freq(p, base, dim, config, session_len or config.max_position_embeddings)
     raise ModelFormatError(
         f"rope_scaling type {rope_type!r} is not supported by lmd "
-        f"(supported: default, linear, llama3, yarn)")
+        f"(supported: default, linear, llama3, yarn, longrope)")
+
+
+def _longrope_inv_freq(p: dict, base: float, dim: int, config: ModelConfig,
+                       session_len: int) -> tuple[torch.Tensor, float]:
+    """HF's ``_compute_longrope_parameters`` at seq_len = ``session_len``: the inverse frequencies
+    divided by the long factors past the original context, else the short ones; cos/sin scaled by
+    sqrt(1 + ln(s) / ln(original)), s = ``factor`` or max_position_embeddings / original."""
+    old_len = longrope_original_len(config)
+    factor = p.get('factor') or config.max_position_embeddings / old_len
+    attention_factor = p.get('attention_factor')
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    ext = p['long_factor'] if session_len > old_len else p['short_factor']
+    if len(ext) != dim // 2:
+        raise ModelFormatError(f'rope_scaling: longrope factors have {len(ext)} entries; rotary dim {dim} '
+                               f'needs {dim // 2}')
+    ext = torch.tensor(ext, dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(attention_factor)
 
 
 def _yarn_inv_freq(p: dict, base: float, dim: int, config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -93,8 +132,11 @@ def _yarn_inv_freq(p: dict, base: float, dim: int, config: ModelConfig) -> tuple
     return inv_freq, float(attention_factor)
 
 
-def build_cos_sin_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    inv_freq, scale = compute_inv_freq(config)
+def build_cos_sin_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                        session_len: int | None = None) -> torch.Tensor:
+    """The table for sequences up to ``session_len`` (``compute_inv_freq``), a row per position of the
+    model's context."""
+    inv_freq, scale = compute_inv_freq(config, session_len)
     max_positions = min(config.max_position_embeddings, MAX_CACHED_POSITIONS)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)

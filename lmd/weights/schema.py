@@ -3,7 +3,8 @@ shapes, ``check_weights``) and how its matmuls fuse, in one place for both engin
 
 A decoder layer runs four matmuls (``LAYER_MATMULS``): q/k/v fused into ``qkv``
 ([(Hq + 2 Hk) * D, H]), ``o``, gate/up fused into ``gate_up`` ([2 I, H]) and ``down``; the
-parts are concatenated along N, biases alike. A quantized matmul (``quant_layouts.py``) is a
+parts are concatenated along N, biases alike. A checkpoint that stores them fused already (Phi-3:
+``CHECKPOINT_FUSED``) has one part each (``layer_matmuls``). A quantized matmul (``quant_layouts.py``) is a
 tuple standing for its [N, K] weight: (qweight, scales, mins) W4A16, (qweight, scales, mins, perm)
 W4A16 over x[:, perm] (GPTQ act-order), (qweight int8, scales [N, K / G]) W8A16, (qweight int8, scales
 [N]) W8A8; fused, each field is concatenated along N (``fuse_quantized``), except where the parts read
@@ -41,18 +42,40 @@ MATMUL_SUFFIXES = tuple(f'.{name}' for name in LAYER_MATMULS)
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
 
 
-def matmul_parts(layer: int, fused: str, field: str = 'weight') -> list[str]:
+# Checkpoints that store a fused matmul as one tensor (Phi-3's qkv_proj [(Hq + 2 Hk) * D, H] and
+# gate_up_proj [2 I, H], gate rows first): fused matmul -> that tensor's matmul.
+CHECKPOINT_FUSED = {'qkv': ('self_attn.qkv_proj',), 'gate_up': ('mlp.gate_up_proj',)}
+_CHECKPOINT_FUSED_FAMILIES = ('phi3',)
+
+
+def layer_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Fused matmul -> the HF matmuls of ``config``'s checkpoint concatenated (along N) into it."""
+    return {**LAYER_MATMULS, **CHECKPOINT_FUSED} if config.family in _CHECKPOINT_FUSED_FAMILIES else LAYER_MATMULS
+
+
+def matmul_parts(config: ModelConfig, layer: int, fused: str, field: str = 'weight') -> list[str]:
     """The HF names of ``field`` ('weight' or 'bias') of the parts of layer ``layer``'s ``fused`` matmul."""
-    return [f'model.layers.{layer}.{part}.{field}' for part in LAYER_MATMULS[fused]]
+    return [f'model.layers.{layer}.{part}.{field}' for part in layer_matmuls(config)[fused]]
+
+
+def _matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """HF matmul (``self_attn.q_proj`` ...) -> its weight's [N, K], fused checkpoint tensors included."""
+    H, I = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {'self_attn.q_proj': (q_size, H), 'self_attn.k_proj': (kv_size, H), 'self_attn.v_proj': (kv_size, H),
+            'self_attn.qkv_proj': (q_size + 2 * kv_size, H), 'self_attn.o_proj': (H, q_size),
+            'mlp.gate_proj': (I, H), 'mlp.up_proj': (I, H), 'mlp.gate_up_proj': (2 * I, H), 'mlp.down_proj': (H, I)}
 
 
 def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """HF tensor name -> shape for every tensor the model needs, and the set of names
     that may be present but are not required (tied lm_head)."""
-    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
-    q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
-    o_bias = config.attention_bias and config.family in ('llama', 'qwen3')
+    H, D = config.hidden_size, config.head_dim
     mlp_bias = bool(config.raw.get('mlp_bias', False))
+    biased = {'qkv': config.attention_bias,
+              'o': config.attention_bias and config.family in ('llama', 'qwen3', 'smollm3'),
+              'gate_up': mlp_bias, 'down': mlp_bias}
+    matmul_shapes = _matmul_shapes(config)
     shapes: dict[str, tuple[int, ...]] = {
         'model.embed_tokens.weight': (config.vocab_size, H),
         'model.norm.weight': (H,),
@@ -65,23 +88,14 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
         p = f'model.layers.{n}.'
         shapes[p + 'input_layernorm.weight'] = (H,)
         shapes[p + 'post_attention_layernorm.weight'] = (H,)
-        for name, rows in (('q_proj', q_size), ('k_proj', kv_size), ('v_proj', kv_size)):
-            shapes[p + f'self_attn.{name}.weight'] = (rows, H)
-            if config.attention_bias:
-                shapes[p + f'self_attn.{name}.bias'] = (rows,)
-        shapes[p + 'self_attn.o_proj.weight'] = (H, q_size)
-        if o_bias:
-            shapes[p + 'self_attn.o_proj.bias'] = (H,)
+        for fused, parts in layer_matmuls(config).items():
+            for part in parts:
+                shapes[f'{p}{part}.weight'] = matmul_shapes[part]
+                if biased[fused]:
+                    shapes[f'{p}{part}.bias'] = matmul_shapes[part][:1]
         if config.qk_norm:
             shapes[p + 'self_attn.q_norm.weight'] = (D,)
             shapes[p + 'self_attn.k_norm.weight'] = (D,)
-        shapes[p + 'mlp.gate_proj.weight'] = (I, H)
-        shapes[p + 'mlp.up_proj.weight'] = (I, H)
-        shapes[p + 'mlp.down_proj.weight'] = (H, I)
-        if mlp_bias:
-            shapes[p + 'mlp.gate_proj.bias'] = (I,)
-            shapes[p + 'mlp.up_proj.bias'] = (I,)
-            shapes[p + 'mlp.down_proj.bias'] = (H,)
     return shapes, optional
 
 
@@ -221,7 +235,7 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
     else:
         out['lm_head'] = out['embed'] if config.tie_word_embeddings else get('lm_head.weight')
     def matmul(n: int, fused: str) -> None:
-        linear(f'layers.{n}.{fused}', matmul_parts(n, fused), matmul_parts(n, fused, 'bias'))
+        linear(f'layers.{n}.{fused}', matmul_parts(config, n, fused), matmul_parts(config, n, fused, 'bias'))
 
     for n in range(config.num_layers):
         p, q = f'model.layers.{n}.', f'layers.{n}.'

@@ -46,7 +46,7 @@ from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 from .dtype import DTYPE_NAMES, DTYPES, resolve_dtype
 from .gguf_linears import gguf_blocks_for, gguf_head_w8a16_for, gguf_w4a16_for
 from .rope import build_cos_sin_cache
-from .schema import LAYER_MATMULS, fuse_weights, linear_formats, matmul_parts
+from .schema import fuse_weights, layer_matmuls, linear_formats, matmul_parts
 from .source_format import quantized_linears, source_format
 
 FORMAT = 'lmd-turbomind'
@@ -95,8 +95,8 @@ def _gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
     blocks = gguf_blocks_for(model_dir) or {}
     quantized = {}
     for n in range(config.num_layers):
-        for fused in LAYER_MATMULS:
-            parts = matmul_parts(n, fused)
+        for fused in layer_matmuls(config):
+            parts = matmul_parts(config, n, fused)
             source = w4a16 if all(p in w4a16 for p in parts) else blocks if all(p in blocks for p in parts) else {}
             quantized.update({p: source[p] for p in parts if p in source})
     head = gguf_head_w8a16_for(model_dir)

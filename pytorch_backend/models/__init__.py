@@ -14,6 +14,8 @@ MODEL_CLASSES = {
     'mistral': CausalLM,
     'qwen2': CausalLM,
     'qwen3': CausalLM,
+    'smollm3': CausalLM,
+    'phi3': CausalLM,
 }
 
 

@@ -1,11 +1,15 @@
-"""The Llama family in plain torch: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2, Qwen3.
+"""The Llama family in plain torch: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2, Qwen3,
+SmolLM3, Phi-3.
 
-The four differ only in small switches read from ``ModelConfig``:
+They differ only in small switches read from ``ModelConfig``:
 - Qwen2 has biases on q/k/v (``attention_bias``);
 - Qwen3 RMS-normalises q and k per head before RoPE (``qk_norm``) and has an
   explicit ``head_dim``;
 - Llama may carry a bias on o_proj too (``attention_bias``) and on the MLP
-  (``mlp_bias``); Llama-3 and others scale RoPE (``lmd.weights.rope``).
+  (``mlp_bias``); Llama-3 and others scale RoPE (``lmd.weights.rope``);
+- SmolLM3 leaves RoPE out of some layers (``ModelConfig.uses_rope``);
+- Phi-3 stores q/k/v and gate/up fused already (``schema.layer_matmuls``) and scales RoPE by
+  LongRoPE, whose factors depend on the session length (``build_rope``).
 
 Weights load from HF names and are fused at load as the weights layer says
 (``lmd.weights.schema``: q/k/v into one ``qkv`` [(Hq + 2 Hk) * D, H], gate/up into one
@@ -49,6 +53,7 @@ class DecoderLayer:
     gate_up_bias: torch.Tensor | None  # [2 I]
     down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
+    rope: bool = True                 # q and k rotated (SmolLM3's NoPE layers: False)
     # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
     qkv: object = None
     o: object = None
@@ -122,21 +127,27 @@ class CausalLM:
             attn, mlp = p + 'self_attn.', p + 'mlp.'
             self.layers.append(DecoderLayer(
                 input_norm=get(p + 'input_layernorm.weight'),
-                qkv_weight=cat(matmul_parts(n, 'qkv')),
-                qkv_bias=cat(matmul_parts(n, 'qkv', 'bias')),
+                qkv_weight=cat(matmul_parts(config, n, 'qkv')),
+                qkv_bias=cat(matmul_parts(config, n, 'qkv', 'bias')),
                 q_norm=maybe(attn + 'q_norm.weight'),
                 k_norm=maybe(attn + 'k_norm.weight'),
-                o_weight=cat(matmul_parts(n, 'o')),
+                o_weight=cat(matmul_parts(config, n, 'o')),
                 o_bias=maybe(attn + 'o_proj.bias'),
                 post_norm=get(p + 'post_attention_layernorm.weight'),
-                gate_up_weight=cat(matmul_parts(n, 'gate_up')),
-                gate_up_bias=cat(matmul_parts(n, 'gate_up', 'bias')),
-                down_weight=cat(matmul_parts(n, 'down')),
+                gate_up_weight=cat(matmul_parts(config, n, 'gate_up')),
+                gate_up_bias=cat(matmul_parts(config, n, 'gate_up', 'bias')),
+                down_weight=cat(matmul_parts(config, n, 'down')),
                 down_bias=maybe(mlp + 'down_proj.bias'),
+                rope=config.uses_rope(n),
             ))
             self.layers[-1].prepare(self.kernels)
         self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
-        self.cos_sin_cache = build_cos_sin_cache(config, dtype, self.device)
+        self.build_rope()
+
+    def build_rope(self, session_len: int | None = None) -> None:
+        """The RoPE table for sequences up to ``session_len`` (default: the model's context); LongRoPE
+        picks its factors by it (``lmd.weights.rope``)."""
+        self.cos_sin_cache = build_cos_sin_cache(self.config, self.dtype, self.device, session_len)
 
     # -- KV cache -------------------------------------------------------------------------------
 
@@ -191,11 +202,11 @@ class CausalLM:
             else:
                 x = add_rms_norm(delta, residual, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
-            if layer.q_norm is None:
+            if layer.q_norm is None and layer.rope:
                 q = kern.rope_fill_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
                                       num_kv_heads, **kv_params)
-            else:  # Qwen3 normalises q and k per head before RoPE
-                q = self._qk_norm_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping, kv_params)
+            else:  # Qwen3 normalises q and k per head before RoPE; SmolLM3's NoPE layers skip it
+                q = self._split_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping, kv_params)
             o = paged_attention(q, k_cache, v_cache, ctx, scale, **kv_params)
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
             # MLP block
@@ -203,19 +214,22 @@ class CausalLM:
             delta = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
         return add_rms_norm(delta, residual, self.norm, eps)
 
-    def _qk_norm_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           kv_params: dict) -> torch.Tensor:
+    def _split_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_params: dict) -> torch.Tensor:
+        """rope_fill_kv step by step: q and k normalised per head (q_norm), then rotated (rope)."""
         kern = self.kernels
         num_tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = kern.rms_norm(q, layer.q_norm, self.eps)
-        k = kern.rms_norm(k, layer.k_norm, self.eps)
-        q, k = kern.apply_rotary(q, k, positions, self.cos_sin_cache)
+        if layer.q_norm is not None:
+            q = kern.rms_norm(q, layer.q_norm, self.eps)
+            k = kern.rms_norm(k, layer.k_norm, self.eps)
+        if layer.rope:
+            q, k = kern.apply_rotary(q, k, positions, self.cos_sin_cache)
         kern.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, **kv_params)
-        return q
+        return q.contiguous()  # a view into qkv where nothing touched it
 
     __call__ = forward
 

@@ -49,6 +49,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     c.vocab_size = get_int(cfg, "vocab_size");
     c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
     c.qk_norm = cfg.contains("qk_norm") && cfg["qk_norm"].cast<bool>();
+    if (cfg.contains("use_rope")) c.use_rope = cfg["use_rope"].cast<std::vector<bool>>();
     c.int8_activations = cfg.contains("int8_activations") && cfg["int8_activations"].cast<bool>();
     if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
     const DType dt = parse_dtype(dtype_name_);
@@ -378,7 +379,7 @@ void bind_models(py::module_ & m) {
         .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
              py::arg("block_size"), py::arg("quant_policy") = 0,
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
-             "rms_norm_eps, qk_norm. tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "rms_norm_eps, qk_norm, use_rope (a flag per layer; default: all). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
              "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
              "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "

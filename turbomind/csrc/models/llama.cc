@@ -114,6 +114,10 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
     if (quant_policy == 4 && config_.head_dim % 2) {
         throw std::invalid_argument("LlamaModel: quant_policy 4 needs an even head_dim");
     }
+    if (!config_.use_rope.empty() && static_cast<int64_t>(config_.use_rope.size()) != config_.num_layers) {
+        throw std::invalid_argument("LlamaModel: use_rope has " + std::to_string(config_.use_rope.size()) +
+                                    " flags for " + std::to_string(config_.num_layers) + " layers");
+    }
     if (static_cast<int64_t>(weights_.layers.size()) != config_.num_layers) {
         throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
                                     std::to_string(config_.num_layers) + " layers");
@@ -206,7 +210,10 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
                 cpu::rms_norm(kh, w.k_norm, eps, kh, nullptr);
             }
         }
-        cpu::rope_fill_kv(qkv, pos, weights_.cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
+        // a NoPE layer reads a table of no rotary dims: every dim of q and k passes through
+        const bool rope = c.use_rope.empty() || c.use_rope[l];
+        const TensorView cos_sin = rope ? weights_.cos_sin : columns(weights_.cos_sin, 0, 0);
+        cpu::rope_fill_kv(qkv, pos, cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
         cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant);
         apply(attn2d, w.o, delta, c.int8_activations);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);

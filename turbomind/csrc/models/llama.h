@@ -1,4 +1,4 @@
-// The Llama family (Llama, Mistral, Qwen2, Qwen3) in C++ over a paged KV cache that the
+// The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3) in C++ over a paged KV cache that the
 // model owns. One forward pass runs the tokens of any mix of sequences: each token row
 // says which cache slot its K/V goes to, which sequence's blocks it reads and how many tokens
 // it sees.
@@ -26,6 +26,7 @@ struct LlamaConfig {
     int64_t vocab_size = 0;
     float rms_norm_eps = 1e-6f;
     bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
+    std::vector<bool> use_rope;  // per layer: q and k rotated (SmolLM3's NoPE layers: false); empty: all
     // W4A16 and W8A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h,
     // W8A8 by groups of quant.h): llama.cpp's Q4 / Q8_0 x Q8 arithmetic, no longer float-exact
     bool int8_activations = false;
