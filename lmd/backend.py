@@ -35,6 +35,8 @@ def check_backend(backend: str | None) -> str:
 def turbomind_refusal(model_dir: str, model_format: str | None = None, device: str = 'cpu') -> str | None:
     """Why TurboMind cannot run ``model_dir`` as asked, or None when it can."""
     config = ModelConfig.from_dir(model_dir)
+    if config.moe is not None:
+        return f'{config.architecture}: MoE runs on the PyTorch engine; TurboMind support is not built yet'
     if config.architecture not in TURBOMIND_ARCHITECTURES:
         return f'TurboMind does not run {config.architecture}'
     fmt = model_format or config.model_format

@@ -17,9 +17,13 @@ SUPPORTED_ARCHITECTURES = {
     'Qwen3ForCausalLM': 'qwen3',
     'SmolLM3ForCausalLM': 'smollm3',
     'Phi3ForCausalLM': 'phi3',
+    # mixture of experts (``MoeConfig``): the PyTorch engine runs them, TurboMind not yet
+    'MixtralForCausalLM': 'mixtral',
+    'Qwen2MoeForCausalLM': 'qwen2_moe',
+    'Qwen3MoeForCausalLM': 'qwen3_moe',
 }
 # families whose config switches its sliding window on and off (use_sliding_window, HF's default False)
-_WINDOW_SWITCHED = ('qwen2', 'qwen3', 'smollm3')
+_WINDOW_SWITCHED = ('qwen2', 'qwen3', 'smollm3', 'qwen2_moe', 'qwen3_moe')
 
 # config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's and vLLM's names);
 # the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
@@ -30,6 +34,19 @@ QUANTIZED_FORMATS = frozenset(QUANT_METHODS.values())
 
 class ModelConfigError(ModelFormatError):
     """config.json is missing, malformed or names an architecture lmd does not run."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token
+    (softmax, then top-k; their weights renormalised to sum 1 with ``norm_topk_prob``), beside an
+    always-on shared expert gated by a sigmoid where ``shared_intermediate_size`` > 0 (Qwen2-MoE)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int         # each expert's
+    norm_topk_prob: bool
+    shared_intermediate_size: int  # 0: no shared expert
+    sparse_layers: tuple[bool, ...]  # per layer: the MoE MLP (False: a dense MLP of ModelConfig.intermediate_size)
 
 
 @dataclass(frozen=True)
@@ -56,12 +73,17 @@ class ModelConfig:
     quantization_config: dict | None = None
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE on q and k (SmolLM3's NoPE layers: False); (): every layer
     sliding_window: int | None = None   # each token attends to at most this many (itself included); None: all
+    moe: MoeConfig | None = None        # the experts of Mixtral, Qwen2-MoE, Qwen3-MoE; None: dense MLPs
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_format(self) -> str:
         """The weight format config.json declares: one of ``QUANTIZED_FORMATS`` (quantization_config), or 'hf'."""
         return QUANT_METHODS[self.quantization_config['quant_method']] if self.quantization_config else 'hf'
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (``moe``)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates q and k."""
@@ -110,14 +132,15 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
                 tie_word_embeddings=bool(cfg.get('tie_word_embeddings', False)),
-                attention_bias=bool(cfg.get('attention_bias', family == 'qwen2')),
-                qk_norm=family == 'qwen3',
+                attention_bias=bool(cfg.get('attention_bias', cfg.get('qkv_bias', family in ('qwen2', 'qwen2_moe')))),
+                qk_norm=family in ('qwen3', 'qwen3_moe'),
                 bos_token_id=cfg.get('bos_token_id'),
                 eos_token_ids=eos_ids,
                 torch_dtype=dtype if dtype in ('float32', 'bfloat16', 'float16') else 'float32',
                 quantization_config=cfg.get('quantization_config'),
                 rope_layers=_rope_layers(cfg, family),
                 sliding_window=_sliding_window(cfg, family),
+                moe=_moe_config(cfg, family),
                 raw=dict(cfg),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -160,3 +183,40 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
         return None
     return int(window) if window else None
 
+
+
+_MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')
+
+
+def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
+    """The experts as transformers reads them (None for a dense family): Mixtral's ``num_local_experts``
+    of ``intermediate_size`` on every layer, its top-k weights always renormalised; Qwen's
+    ``num_experts`` of ``moe_intermediate_size`` on the layers ``(i + 1) % decoder_sparse_step == 0``
+    outside ``mlp_only_layers``, renormalised with ``norm_topk_prob``, Qwen2-MoE's shared expert beside
+    them. ``router_jitter_noise`` and the auxiliary loss are training settings; other settings lmd does
+    not run raise ValueError."""
+    if family not in _MOE_FAMILIES:
+        return None
+    num_layers = int(cfg['num_hidden_layers'])
+    if cfg.get('quantization_config'):
+        raise ValueError(f'quantized {family} checkpoints are not supported yet (their experts would need '
+                         'quantized grouped matmuls); use a float checkpoint')
+    if cfg.get('hidden_act', 'silu') != 'silu':
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported: the experts run SwiGLU ('silu')")
+    if family == 'qwen2_moe' and cfg.get('use_sliding_window') and 'layer_types' not in cfg:
+        raise ValueError('use_sliding_window without layer_types is not supported for Qwen2-MoE')
+    if family == 'mixtral':
+        num_experts, intermediate = int(cfg['num_local_experts']), int(cfg['intermediate_size'])
+        norm_topk_prob, shared, sparse = True, 0, (True,) * num_layers
+    else:
+        num_experts = int(cfg.get('num_experts') or cfg['num_local_experts'])
+        intermediate = int(cfg['moe_intermediate_size'])
+        norm_topk_prob = bool(cfg.get('norm_topk_prob', False))
+        shared = int(cfg.get('shared_expert_intermediate_size', 5632)) if family == 'qwen2_moe' else 0
+        step, dense = int(cfg.get('decoder_sparse_step', 1)), set(cfg.get('mlp_only_layers') or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    top_k = int(cfg['num_experts_per_tok'])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f'num_experts_per_tok {top_k} must be in [1, {num_experts}] (the number of experts)')
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate,
+                     norm_topk_prob=norm_topk_prob, shared_intermediate_size=shared, sparse_layers=sparse)

@@ -24,6 +24,7 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
+from .moe import moe_weight_shapes
 from .quant_layouts import gguf_block_shape
 from .rope import build_cos_sin_cache
 
@@ -73,7 +74,7 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
     H, D = config.hidden_size, config.head_dim
     mlp_bias = bool(config.raw.get('mlp_bias', False))
     biased = {'qkv': config.attention_bias,
-              'o': config.attention_bias and config.family in ('llama', 'qwen3', 'smollm3'),
+              'o': config.attention_bias and config.family in ('llama', 'qwen3', 'smollm3', 'qwen3_moe'),
               'gate_up': mlp_bias, 'down': mlp_bias}
     matmul_shapes = _matmul_shapes(config)
     shapes: dict[str, tuple[int, ...]] = {
@@ -89,6 +90,8 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
         shapes[p + 'input_layernorm.weight'] = (H,)
         shapes[p + 'post_attention_layernorm.weight'] = (H,)
         for fused, parts in layer_matmuls(config).items():
+            if fused in ('gate_up', 'down') and config.is_sparse(n):
+                continue  # a mixture of experts instead (lmd.weights.moe)
             for part in parts:
                 shapes[f'{p}{part}.weight'] = matmul_shapes[part]
                 if biased[fused]:
@@ -96,6 +99,8 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
         if config.qk_norm:
             shapes[p + 'self_attn.q_norm.weight'] = (D,)
             shapes[p + 'self_attn.k_norm.weight'] = (D,)
+        if config.is_sparse(n):
+            shapes.update(moe_weight_shapes(config, n))
     return shapes, optional
 
 
@@ -183,6 +188,9 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
     runs so (``<name>.qweight``, ``.scales``, ``.mins``; bias float32); else in float from
     ``weights`` (a GGUF conversion has both). The embedding lookup always reads the float rows.
     """
+    if config.moe is not None:
+        raise ModelFormatError(f'{config.architecture}: MoE runs on the PyTorch engine (backend pytorch); '
+                               'TurboMind support is not built yet')
     quantized = quantized or {}
     check_quantized_weights(config, weights, quantized)
 

@@ -50,6 +50,8 @@ class Kernels:
     # (weight[N, K] or a quantized tuple (lmd.weights.quant_layouts: W4A16, W8A8), bias[N] | None) -> params
     prepare_linear: Callable = torch_ops.prepare_linear
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
+    # (x[T, H], gate_up[E, 2I, H], down[E, H, I], topk_weights[T, k], topk_ids[T, k]) -> [T, H]: routed experts
+    moe: Callable = torch_ops.moe
     set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels
 
 

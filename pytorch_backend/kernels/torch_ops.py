@@ -136,6 +136,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts as grouped matmuls: x[T, H], the experts' gate_up [E, 2I, H] and down
+    [E, H, I], each token's experts topk_ids [T, k] and their weights topk_weights [T, k] -> [T, H].
+
+    The (token, slot) pairs are sorted by expert (stably: within an expert, in token order), each
+    expert with tokens runs its two matmuls over its rows at once, and the weighted rows are summed
+    into their tokens in one scatter-add, in expert order per token as transformers adds them. The
+    weights multiply in their own dtype (Mixtral's float32), the product rounded to x's dtype."""
+    top_k = topk_ids.shape[1]
+    expert_of = topk_ids.reshape(-1)
+    order = torch.argsort(expert_of, stable=True)
+    tokens = order // top_k
+    counts = torch.bincount(expert_of, minlength=gate_up.shape[0]).tolist()
+    rows = x[tokens]
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            part = slice(start, start + count)
+            out_rows[part] = F.linear(silu_and_mul(F.linear(rows[part], gate_up[expert])), down[expert])
+            start += count
+    weighted = (out_rows * topk_weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, weighted)
+
+
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x[..., D] -> (codes uint8 [..., D * bits / 8], params float32 [..., 2] = scale, zero), in float32:
     zero = min, scale = (max - min) / (2^bits - 1), code = round-half-even((x - zero) / scale)."""

@@ -7,6 +7,7 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
 from .llama import CausalLM
+from .moe import MoeCausalLM
 
 # family (ModelConfig.family) -> implementation; every supported family is Llama-shaped.
 MODEL_CLASSES = {
@@ -16,6 +17,10 @@ MODEL_CLASSES = {
     'qwen3': CausalLM,
     'smollm3': CausalLM,
     'phi3': CausalLM,
+    # the same decoder with mixtures of experts for MLPs (moe.py)
+    'mixtral': MoeCausalLM,
+    'qwen2_moe': MoeCausalLM,
+    'qwen3_moe': MoeCausalLM,
 }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class DecoderLayer:
     down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
     rope: bool = True                 # q and k rotated (SmolLM3's NoPE layers: False)
+    # a mixture of experts in place of gate_up / down (models/moe.py; their weights None then)
+    moe: Callable[[torch.Tensor], torch.Tensor] | None = None
     # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
     qkv: object = None
     o: object = None
@@ -63,8 +66,9 @@ class DecoderLayer:
     def prepare(self, kern: Kernels) -> None:
         self.qkv = prepare_matmul(kern, self.qkv_weight, self.qkv_bias)
         self.o = prepare_matmul(kern, self.o_weight, self.o_bias)
-        self.gate_up = prepare_matmul(kern, self.gate_up_weight, self.gate_up_bias)
-        self.down = prepare_matmul(kern, self.down_weight, self.down_bias)
+        if self.gate_up_weight is not None:  # None: a mixture of experts (moe)
+            self.gate_up = prepare_matmul(kern, self.gate_up_weight, self.gate_up_bias)
+            self.down = prepare_matmul(kern, self.down_weight, self.down_bias)
 
 
 class CausalLM:
@@ -211,7 +215,10 @@ class CausalLM:
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
             # MLP block
             x = add_rms_norm(delta, residual, layer.post_norm, eps)
-            delta = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            if layer.moe is None:
+                delta = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            else:
+                delta = layer.moe(x)
         return add_rms_norm(delta, residual, self.norm, eps)
 
     def _split_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,56 @@
+"""A mixture-of-experts layer's weights (``ModelConfig.moe``): their HF names, shapes, and the experts
+stacked at load into the [E, N, K] tensors a grouped matmul reads.
+
+HF checkpoints store one tensor per expert and matmul: Mixtral ``block_sparse_moe.experts.{e}.w1``
+(gate), ``w3`` (up), ``w2`` (down) beside the router ``block_sparse_moe.gate``; Qwen2-MoE and Qwen3-MoE
+``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` beside ``mlp.gate``, and Qwen2-MoE's shared
+expert ``mlp.shared_expert.*`` with its gate ``mlp.shared_expert_gate`` [1, H]. Stacked, the experts are
+``gate_up`` [E, 2 I, H] (each expert's gate rows, then its up rows, as ``schema`` fuses a dense MLP) and
+``down`` [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model_config import ModelConfig
+
+# family -> (the MLP's prefix in a layer, each expert's (gate, up, down) matmuls)
+_EXPERT_NAMES = {'mixtral': ('block_sparse_moe.', ('w1', 'w3', 'w2'))}
+_QWEN_EXPERT_NAMES = ('mlp.', ('gate_proj', 'up_proj', 'down_proj'))
+SHARED_EXPERT_MATMULS = ('shared_expert.gate_proj', 'shared_expert.up_proj', 'shared_expert.down_proj')
+
+
+def moe_prefix(config: ModelConfig, layer: int) -> str:
+    """The HF name prefix of layer ``layer``'s MoE MLP: ``model.layers.{layer}.mlp.`` (Mixtral's:
+    ``model.layers.{layer}.block_sparse_moe.``)."""
+    return f'model.layers.{layer}.{_EXPERT_NAMES.get(config.family, _QWEN_EXPERT_NAMES)[0]}'
+
+
+def expert_weight_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The HF names of expert ``expert``'s gate, up and down weights in layer ``layer``."""
+    matmuls = _EXPERT_NAMES.get(config.family, _QWEN_EXPERT_NAMES)[1]
+    prefix = f'{moe_prefix(config, layer)}experts.{expert}.'
+    return tuple(f'{prefix}{m}.weight' for m in matmuls)
+
+
+def moe_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of every tensor of layer ``layer``'s MoE MLP (router, experts, shared expert)."""
+    moe, H = config.moe, config.hidden_size
+    p, I, S = moe_prefix(config, layer), moe.intermediate_size, moe.shared_intermediate_size
+    shapes = {p + 'gate.weight': (moe.num_experts, H)}
+    for e in range(moe.num_experts):
+        gate, up, down = expert_weight_names(config, layer, e)
+        shapes.update({gate: (I, H), up: (I, H), down: (H, I)})
+    if S:
+        gate, up, down = (f'{p}{m}.weight' for m in SHARED_EXPERT_MATMULS)
+        shapes.update({gate: (S, H), up: (S, H), down: (H, S), p + 'shared_expert_gate.weight': (1, H)})
+    return shapes
+
+
+def stack_experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s experts as (gate_up [E, 2 I, H], down [E, H, I]) in ``dtype`` (see the module doc)."""
+    names = [expert_weight_names(config, layer, e) for e in range(config.moe.num_experts)]
+    gate_up = torch.stack([torch.cat([weights[gate].to(dtype), weights[up].to(dtype)]) for gate, up, _ in names])
+    down = torch.stack([weights[down].to(dtype) for _, _, down in names])
+    return gate_up, down

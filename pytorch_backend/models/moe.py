@@ -1,0 +1,93 @@
+"""Mixture-of-experts models: Mixtral, Qwen2-MoE, Qwen3-MoE (``ModelConfig.moe``).
+
+Each is the Llama-family decoder of ``llama.py`` (Qwen2-MoE with q/k/v biases, Qwen3-MoE with q/k
+norms) whose MLP is, on its sparse layers, a ``SparseMoe``: a router picks each token's top-k experts,
+the experts run as grouped matmuls over the tokens routed to each (``Kernels.moe``), and Qwen2-MoE adds
+a shared expert scaled by a sigmoid gate. Routing follows transformers exactly: softmax in float32 over
+the router's logits, top-k, then the k weights renormalised to sum 1 (Mixtral always; Qwen with
+``norm_topk_prob``); Mixtral keeps them in float32, Qwen rounds them to the model's dtype. Dense layers
+(Qwen's ``mlp_only_layers``, ``decoder_sparse_step``) keep the plain MLP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmd.model_config import ModelConfig
+from lmd.weights.moe import SHARED_EXPERT_MATMULS, moe_prefix, stack_experts
+
+from ..kernels import Kernels, prepare_matmul
+from .llama import CausalLM
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] in ``dtype``, expert ids [T, k]): softmax in float32,
+    top-k, renormalised to sum 1 with ``norm_topk_prob``."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+@dataclass
+class SharedExpert:
+    """Qwen2-MoE's always-on expert: a SwiGLU MLP, its output scaled by sigmoid(gate(x)) per token."""
+    gate_up: object  # prepared [2 S, H]
+    down: object     # prepared [H, S]
+    gate: object     # prepared [1, H]
+
+
+@dataclass
+class SparseMoe:
+    """One layer's mixture of experts: ``__call__(x[T, H]) -> [T, H]``, the MLP's output."""
+    kernels: Kernels
+    router: object                 # prepared [E, H]
+    gate_up: torch.Tensor          # [E, 2 I, H], each expert's gate rows then its up rows
+    down: torch.Tensor             # [E, H, I]
+    top_k: int
+    norm_topk_prob: bool
+    weight_dtype: torch.dtype      # the routing weights' dtype (Mixtral float32, Qwen the model's)
+    shared: SharedExpert | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kern = self.kernels
+        weights, ids = route(kern.linear(x, self.router), self.top_k, self.norm_topk_prob, self.weight_dtype)
+        out = kern.moe(x, self.gate_up, self.down, weights, ids)
+        if self.shared is not None:
+            shared = kern.linear(kern.silu_and_mul(kern.linear(x, self.shared.gate_up)), self.shared.down)
+            out += torch.sigmoid(kern.linear(x, self.shared.gate)) * shared
+        return out
+
+
+class MoeCausalLM(CausalLM):
+    """A Llama-family decoder whose sparse layers run a ``SparseMoe`` (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = 'cpu', kernel_backend: str | None = None,
+                 quantized: dict[str, tuple] | None = None):
+        super().__init__(config, weights, dtype, device, kernel_backend, quantized)
+        for n, layer in enumerate(self.layers):
+            if config.is_sparse(n):
+                layer.moe = self._sparse_moe(config, weights, n)
+
+    def _sparse_moe(self, config: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> SparseMoe:
+        """Layer ``layer``'s experts stacked, its router and shared expert prepared for the kernels."""
+        kern, p = self.kernels, moe_prefix(config, layer)
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+        shared = None
+        if config.moe.shared_intermediate_size:
+            gate, up, down = (f'{p}{m}.weight' for m in SHARED_EXPERT_MATMULS)
+            shared = SharedExpert(gate_up=prepare_matmul(kern, torch.cat([get(gate), get(up)]), None),
+                                  down=prepare_matmul(kern, get(down), None),
+                                  gate=prepare_matmul(kern, get(p + 'shared_expert_gate.weight'), None))
+        gate_up, down = stack_experts(config, weights, layer, self.dtype)
+        return SparseMoe(kernels=kern, router=prepare_matmul(kern, get(p + 'gate.weight'), None),
+                         gate_up=gate_up.to(self.device), down=down.to(self.device), top_k=config.moe.top_k,
+                         norm_topk_prob=config.moe.norm_topk_prob,
+                         weight_dtype=torch.float32 if config.family == 'mixtral' else self.dtype, shared=shared)
