@@ -5,6 +5,8 @@ Reading order:
 
 - ``schema.py``: HF tensor names and shapes per architecture (``check_weights``), the seven
   matmuls of a layer and how they fuse (q/k/v -> ``qkv``, gate/up -> ``gate_up``; ``fuse_weights``).
+- ``moe.py``: a mixture-of-experts layer's tensors (Mixtral, Qwen2-MoE, Qwen3-MoE: router, experts,
+  shared expert) and its experts stacked into [E, N, K] at load (``stack_experts``).
 - ``quant_layouts.py``: the quantized matmul layouts the kernels run (W4A16, W8A16, W8A8) and the
   exact converters into them from GGUF blocks and AWQ, and back to AWQ.
 - ``source_format.py``: what a checkpoint directory is ('hf', 'gguf', 'awq', 'w8a8', 'gptq',
