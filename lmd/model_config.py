@@ -77,6 +77,26 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the sliding window of its attention (a query attends to its last ``w`` tokens,
+        itself included, as HF masks ``kv > q - w``), or 0 for full attention: ``sliding_window`` on the
+        layers config.json's ``layer_types`` names ``'sliding_attention'``; without ``layer_types``, on
+        every layer (Mistral, Phi-3), Qwen2's from ``max_window_layers`` on."""
+        window = self.sliding_window or 0
+        types = self.raw.get('layer_types')
+        if types is not None:
+            return tuple(window if t == 'sliding_attention' else 0 for t in types)
+        first = self.raw.get('max_window_layers', 0) if self.family == 'qwen2' else 0
+        return tuple(window if i >= first else 0 for i in range(self.num_layers))
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer keeps to when all of them slide (a sequence's blocks before it are
+        never read again, so the block managers give them back), else 0."""
+        windows = self.layer_windows
+        return min(windows) if windows and all(windows) else 0
+
+    @property
     def model_format(self) -> str:
         """The weight format config.json declares: one of ``QUANTIZED_FORMATS`` (quantization_config), or 'hf'."""
         return QUANT_METHODS[self.quantization_config['quant_method']] if self.quantization_config else 'hf'
@@ -182,7 +202,6 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
     if family in _WINDOW_SWITCHED and not cfg.get('use_sliding_window', False):
         return None
     return int(window) if window else None
-
 
 
 _MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')

@@ -76,6 +76,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once, computed ``chunk`` tokens a step:
+        all of them, or with a window those of a window and a chunk (one more where they straddle a
+        block boundary)."""
+        n = self.blocks_needed(num_tokens)
+        return min(n, self.blocks_needed(self.window - 1 + chunk) + 1) if self.window else n
+
+    def _window_skip(self, num_prefix_blocks: int) -> int:
+        """Of a prefix hit of that many blocks, the leading ones no query of the sequence reads."""
+        return max(0, num_prefix_blocks * self.block_size - self.window + 1) // self.block_size if self.window else 0
+
     # ---- the scheduler's interface ----------------------------------------------------------------------
 
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
@@ -104,7 +115,8 @@ class BlockManager:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change) if too few are left.
 
         ``prefix_block_ids`` (from ``match_prefix``, only for a sequence that holds no
-        blocks yet) become its leading blocks, shared with whoever else holds them.
+        blocks yet) become its leading blocks, shared with whoever else holds them; with a window,
+        those wholly before its first query's window are ``RELEASED`` at once, never taken.
         """
         num_needed = (num_tokens + self.block_size - 1) // self.block_size
         if not prefix_block_ids and num_needed <= len(seq.block_ids):
@@ -112,20 +124,24 @@ class BlockManager:
         if prefix_block_ids:
             assert not seq.block_ids, 'a prefix is only taken by a sequence without blocks'
         num_new = max(0, num_needed - len(seq.block_ids) - len(prefix_block_ids))
+        skip = self._window_skip(len(prefix_block_ids))
         # a hit on a cached (evictable) block takes it out of the pool allocation draws from
-        num_revived = sum(1 for b in prefix_block_ids if self._ref_counts[b] == 0)
+        num_revived = sum(1 for b in prefix_block_ids[skip:] if self._ref_counts[b] == 0)
         if num_new + num_revived > self.num_available_blocks:
             return False
         if not seq.block_ids:  # admission: count this prompt once for the hit rate
             if self.enable_prefix_caching:
                 self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += len(prefix_block_ids) * self.block_size
-        for b in prefix_block_ids:
+        for i, b in enumerate(prefix_block_ids):
+            seq.block_hashes.append(self._block_key[b])
+            if i < skip:
+                seq.block_ids.append(RELEASED)
+                continue
             if self._ref_counts[b] == 0:
                 del self._evictable[b]
             self._ref_counts[b] += 1
             seq.block_ids.append(b)
-            seq.block_hashes.append(self._block_key[b])
         for _ in range(num_new):
             seq.block_ids.append(self._take_block())
         return True

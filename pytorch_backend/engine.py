@@ -120,12 +120,13 @@ class PytorchEngine(Engine):
                 else cfg.max_cache_memory_gib * _GIB
             num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy), device,
                                                 cfg.cache_max_entry_count, max_bytes, session_len, block_size)
-        session_len = fit_session_len(session_len, num_blocks, block_size)
+        session_len = fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
+                                      cfg.max_prefill_token_num or session_len)
         self.session_len = session_len
         model.build_rope(session_len)  # LongRoPE picks its factors by the longest sequence served
 
         self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
-        self.block_manager = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, window=mc.kv_window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_size,
                                    cfg.max_prefill_token_num or session_len)
         self.sampler = Sampler()

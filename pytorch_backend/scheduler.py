@@ -98,7 +98,7 @@ class Scheduler:
         failed: list[tuple[Sequence, str]] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+            if bm.blocks_held(seq.num_tokens, self.max_num_batched_tokens) > bm.num_blocks:
                 self.waiting.popleft()
                 self.block_manager.free(seq)
                 seq.status = SequenceStatus.FINISHED

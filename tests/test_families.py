@@ -4,7 +4,7 @@ SmolLM3 leaves RoPE out of the layers its ``no_rope_layers`` marks 0; Phi-3 stor
 fused, may rotate only part of each head, and scales RoPE by LongRoPE, whose factors HF picks by the
 sequence length (long past ``original_max_position_embeddings``): lmd picks them by the session
 length (``lmd.weights.rope``), so each check below runs sequences on the side of the original
-context its session is on. Sliding windows are taken where the session fits in them.
+context its session is on. Sliding windows: tests/test_sliding_window.py.
 """
 from __future__ import annotations
 
@@ -75,16 +75,15 @@ def test_configs_read_the_family_fields():
     _, phi3, weights = make_family('phi3')
     assert (phi3.family, phi3.sliding_window, phi3.rope_layers) == ('phi3', 64, ())
     assert 'model.layers.0.self_attn.qkv_proj.weight' in weights and 'model.layers.0.mlp.gate_up_proj.weight' in weights
-    # the window caps the default session; a longer one asked for is an error
-    assert default_session_len(phi3, None) == 64 and default_session_len(phi3, 48) == 48
-    with pytest.raises(ValueError, match='sliding window .64 tokens.*session_len <= 64'):
-        default_session_len(phi3, 65)
+    assert phi3.layer_windows == (64, 64, 64) and phi3.kv_window == 64
+    # the attention keeps to the window: it caps no session
+    assert default_session_len(phi3, None) == TINY['max_position_embeddings'] and default_session_len(phi3, 300) == 300
     _, longrope, _ = make_family('phi3_longrope')
     assert default_session_len(longrope, None) == ORIGINAL_LEN and default_session_len(longrope, 200) == 200
 
 
 def test_smollm3_sliding_window_switch_and_interval():
-    """use_sliding_window turns the window on (then it caps the session); without no_rope_layers every
+    """use_sliding_window turns the window on; without no_rope_layers every
     no_rope_layer_interval-th layer goes without RoPE, as HF's config computes."""
     cfg = dict(architectures=['SmolLM3ForCausalLM'], vocab_size=8, hidden_size=8, intermediate_size=8,
                num_hidden_layers=8, num_attention_heads=2, sliding_window=32)
@@ -136,7 +135,7 @@ def engine_greedy(engine: str, path: str, prompts: list[list[int]], session_len:
 
 @pytest.mark.parametrize('engine', ENGINES)
 @pytest.mark.parametrize('family, lengths, session_len', [
-    ('smollm3', (5, 23), None), ('phi3', (5, 23), None),  # phi3: the session is its window, 64
+    ('smollm3', (5, 23), None), ('phi3', (5, 23), None),
     ('phi3_longrope', (17, 23), 128),      # prompts past the original context: HF's long factors throughout
 ])
 def test_greedy_matches_hf(family_dirs, engine, family, lengths, session_len):
@@ -154,9 +153,3 @@ def test_longrope_short_session_greedy_matches_hf(family_dirs, engine):
     got = engine_greedy(engine, path, prompts, None)  # the default session: the original context
     assert [g[:len(w)] for g, w in zip(got, want)] == want
 
-
-@pytest.mark.parametrize('engine', ENGINES)
-def test_a_session_past_the_sliding_window_is_a_clear_error(family_dirs, engine):
-    _, path = family_dirs('phi3')
-    with pytest.raises(ValueError, match='sliding window'):
-        engine_greedy(engine, path, [[1, 2]], session_len=65)

@@ -71,7 +71,8 @@ class TurbomindEngine(Engine):
             num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy),
                                                 torch.device('cpu'), cfg.cache_max_entry_count, MAX_CPU_CACHE_BYTES,
                                                 session_len, block_size)
-        session_len = fit_session_len(session_len, num_blocks, block_size)
+        session_len = fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
+                                      cfg.max_prefill_token_num or session_len)
         self.session_len = session_len
 
         # float, GGUF (its 4-bit matmuls and Q8_0 head as they are), AWQ, W8A8, or TurboMind's own layout
@@ -88,7 +89,7 @@ class TurbomindEngine(Engine):
         kernels.release_openmp_threads()
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
-                                     session_len, cfg.enable_prefix_caching, seed)
+                                     session_len, cfg.enable_prefix_caching, seed, window=mc.kv_window)
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
                                     model_format=self.model_format)

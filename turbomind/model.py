@@ -112,7 +112,8 @@ class TurbomindModel:
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
                    qk_norm=config.qk_norm, int8_activations=int8_activations,
-                   use_rope=[config.uses_rope(n) for n in range(config.num_layers)])
+                   use_rope=[config.uses_rope(n) for n in range(config.num_layers)],
+                   windows=list(config.layer_windows))
         self.int8_activations = int8_activations
         self._cpp_config = cfg
         self.cpp = self._new_cpp(num_blocks)

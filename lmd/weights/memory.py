@@ -57,20 +57,12 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, qua
 
 
 def default_session_len(config: ModelConfig, session_len: int | None) -> int:
-    """``session_len`` as asked, else the model's context capped at ``DEFAULT_MAX_SESSION_LEN``, at a
-    sliding window and at a LongRoPE model's original context (``rope.py``: there every sequence gets
-    the rotary factors HF gives it).
-
-    lmd has no sliding-window attention: a session no longer than the window is one the window never
-    cuts, so it runs as HF runs it; a longer one asked for is a ValueError."""
-    window = config.sliding_window
-    if session_len is not None and window is not None and session_len > window:
-        raise ValueError(f'session_len={session_len} is longer than the sliding window ({window} tokens) of this '
-                         f'{config.architecture}; lmd has no sliding-window attention, so a session must fit the '
-                         f'window: set session_len <= {window}')
+    """``session_len`` as asked, else the model's context capped at ``DEFAULT_MAX_SESSION_LEN`` and at
+    a LongRoPE model's original context (``rope.py``: there every sequence gets the rotary factors HF
+    gives it). Sliding windows cap nothing: both engines' attention keeps to them."""
     if session_len:
         return session_len
-    limits = [config.max_position_embeddings, DEFAULT_MAX_SESSION_LEN, window, longrope_original_len(config)]
+    limits = [config.max_position_embeddings, DEFAULT_MAX_SESSION_LEN, longrope_original_len(config)]
     return min(n for n in limits if n is not None)
 
 
@@ -90,8 +82,12 @@ def num_blocks_from_memory(block_bytes: int, device: torch.device, cache_max_ent
     return num_blocks
 
 
-def fit_session_len(session_len: int, num_blocks: int, block_size: int) -> int:
-    """``session_len``, cut (with a warning) to what ``num_blocks`` blocks hold."""
+def fit_session_len(session_len: int, num_blocks: int, block_size: int, window: int = 0, chunk: int = 0) -> int:
+    """``session_len``, cut (with a warning) to what ``num_blocks`` blocks hold. With a ``window`` on
+    every layer (``ModelConfig.kv_window``) a sequence holds only its window's blocks and a step's
+    ``chunk`` of new tokens (one more block where they straddle a boundary): any length fits then."""
+    if window and num_blocks >= -(-(window - 1 + chunk) // block_size) + 1:
+        return session_len
     if num_blocks * block_size < session_len:
         logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',
                        session_len, num_blocks * block_size, num_blocks, block_size)

@@ -55,6 +55,7 @@ class DecoderLayer:
     down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
     rope: bool = True                 # q and k rotated (SmolLM3's NoPE layers: False)
+    window: int = 0                   # sliding window: a query reads its last `window` tokens; 0: all
     # a mixture of experts in place of gate_up / down (models/moe.py; their weights None then)
     moe: Callable[[torch.Tensor], torch.Tensor] | None = None
     # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
@@ -143,6 +144,7 @@ class CausalLM:
                 down_weight=cat(matmul_parts(config, n, 'down')),
                 down_bias=maybe(mlp + 'down_proj.bias'),
                 rope=config.uses_rope(n),
+                window=config.layer_windows[n],
             ))
             self.layers[-1].prepare(self.kernels)
         self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
@@ -211,7 +213,7 @@ class CausalLM:
                                       num_kv_heads, **kv_params)
             else:  # Qwen3 normalises q and k per head before RoPE; SmolLM3's NoPE layers skip it
                 q = self._split_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping, kv_params)
-            o = paged_attention(q, k_cache, v_cache, ctx, scale, **kv_params)
+            o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, **kv_params)
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
             # MLP block
             x = add_rms_norm(delta, residual, layer.post_norm, eps)

@@ -50,6 +50,10 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
     c.qk_norm = cfg.contains("qk_norm") && cfg["qk_norm"].cast<bool>();
     if (cfg.contains("use_rope")) c.use_rope = cfg["use_rope"].cast<std::vector<bool>>();
+    if (cfg.contains("windows")) c.windows = cfg["windows"].cast<std::vector<int64_t>>();
+    for (int64_t w : c.windows) {
+        if (w < 0) fail("windows: a layer's sliding window must be >= 0 (0: full attention), got " + std::to_string(w));
+    }
     c.int8_activations = cfg.contains("int8_activations") && cfg["int8_activations"].cast<bool>();
     if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
     const DType dt = parse_dtype(dtype_name_);
@@ -379,7 +383,8 @@ void bind_models(py::module_ & m) {
         .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
              py::arg("block_size"), py::arg("quant_policy") = 0,
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
-             "rms_norm_eps, qk_norm, use_rope (a flag per layer; default: all). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "rms_norm_eps, qk_norm, use_rope (a flag per layer; default: all), windows (a sliding window per "
+             "layer, 0: full; default: all full). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
              "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
              "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "
@@ -396,10 +401,11 @@ void bind_models(py::module_ & m) {
 
     py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
         .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,
-                         bool enable_prefix_caching, uint64_t sampler_seed) {
+                         bool enable_prefix_caching, uint64_t sampler_seed, int64_t window) {
                  PyLlamaModel & pm = model.cast<PyLlamaModel &>();
-                 if (max_batch_size < 1 || max_num_batched_tokens < 1 || session_len < 2) {
-                     fail("Engine: max_batch_size and max_num_batched_tokens must be >= 1, session_len >= 2");
+                 if (max_batch_size < 1 || max_num_batched_tokens < 1 || session_len < 2 || window < 0) {
+                     fail("Engine: max_batch_size and max_num_batched_tokens must be >= 1, session_len >= 2, "
+                          "window >= 0");
                  }
                  EngineConfig c;
                  c.max_batch_size = max_batch_size;
@@ -409,12 +415,13 @@ void bind_models(py::module_ & m) {
                  c.block_size = static_cast<int32_t>(pm.model->block_size());
                  c.enable_prefix_caching = enable_prefix_caching;
                  c.sampler_seed = sampler_seed;
+                 c.window = window;
                  auto e = new PyEngine{model, nullptr};
                  e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>());
                  return e;
              }),
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
-             py::arg("enable_prefix_caching"), py::arg("sampler_seed"))
+             py::arg("enable_prefix_caching"), py::arg("sampler_seed"), py::arg("window") = 0)
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
                        py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint) {
                  Request r;

@@ -97,18 +97,25 @@ bool BlockManager::allocate(BlockSequence & seq, int64_t num_tokens, const std::
     if (prefix_block_ids.empty() && num_needed <= num_held) return true;  // the common decode step
     const int64_t num_new = std::max<int64_t>(0, num_needed - num_held - (int64_t) prefix_block_ids.size());
     // a hit on a cached (evictable) block takes it out of the pool allocation draws from
+    const int64_t num_prefix = (int64_t) prefix_block_ids.size();
+    const int64_t skip = window_ > 0 ? std::max<int64_t>(0, num_prefix * block_size_ - window_ + 1) / block_size_ : 0;
     int64_t num_revived = 0;
-    for (int32_t b : prefix_block_ids) num_revived += ref_counts_[b] == 0;
+    for (int64_t i = skip; i < num_prefix; ++i) num_revived += ref_counts_[prefix_block_ids[i]] == 0;
     if (num_new + num_revived > num_available_blocks()) return false;
     if (seq.block_ids.empty() && enable_prefix_caching_) {  // admission: count this prompt once
         num_prefix_query_tokens_ += seq.num_tokens();
         num_prefix_hit_tokens_ += (int64_t) prefix_block_ids.size() * block_size_;
     }
-    for (int32_t b : prefix_block_ids) {
+    for (int64_t i = 0; i < num_prefix; ++i) {
+        const int32_t b = prefix_block_ids[i];
+        seq.block_hashes.push_back(block_key_[b]);
+        if (i < skip) {
+            seq.block_ids.push_back(kReleased);
+            continue;
+        }
         if (ref_counts_[b] == 0) lru_remove(b);
         ++ref_counts_[b];
         seq.block_ids.push_back(b);
-        seq.block_hashes.push_back(block_key_[b]);
     }
     for (int64_t i = 0; i < num_new; ++i) seq.block_ids.push_back(take_block());
     return true;

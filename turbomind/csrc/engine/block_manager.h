@@ -22,6 +22,7 @@
 // Not thread-safe: the engine thread owns it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <string>
@@ -76,6 +77,12 @@ public:
     int32_t num_used_blocks() const { return num_blocks_ - num_free_blocks() - num_cached_; }
     int32_t num_available_blocks() const { return num_free_blocks() + num_cached_; }  // free, then evictable
     int64_t blocks_needed(int64_t num_tokens) const { return (num_tokens + block_size_ - 1) / block_size_; }
+    // The most blocks a sequence of num_tokens holds at once, computed chunk tokens a step: all of
+    // them, or with a window those of a window and a chunk (one more where they straddle a boundary).
+    int64_t blocks_held(int64_t num_tokens, int64_t chunk) const {
+        const int64_t n = blocks_needed(num_tokens);
+        return window_ > 0 ? std::min(n, blocks_needed(window_ - 1 + chunk) + 1) : n;
+    }
     // prompt tokens served from the prefix cache / looked up in it, counted once per admission
     int64_t num_prefix_hit_tokens() const { return num_prefix_hit_tokens_; }
     int64_t num_prefix_query_tokens() const { return num_prefix_query_tokens_; }
@@ -92,7 +99,8 @@ public:
 
     // Give seq blocks for its first num_tokens tokens; false (and no change) if too few are left.
     // prefix_block_ids (from match_prefix, only for a sequence holding no blocks yet) become its
-    // leading blocks, shared with whoever else holds them. Preconditions (checked by the
+    // leading blocks, shared with whoever else holds them; with a window, those wholly before its
+    // first query's window are kReleased at once, never taken. Preconditions (checked by the
     // binding): prefix only when seq.block_ids is empty; prefix ids are registered blocks.
     bool allocate(BlockSequence & seq, int64_t num_tokens, const std::vector<int32_t> & prefix_block_ids = {});
 

@@ -68,7 +68,7 @@ SchedulerOutput Scheduler::schedule() {
     while (!waiting_.empty() && out.preempted.empty() && budget > 0 &&
            static_cast<int64_t>(running_.size()) < max_batch_size_) {
         Sequence * seq = waiting_.front();
-        if (blocks_.blocks_needed(seq->num_tokens()) > blocks_.num_blocks()) {
+        if (blocks_.blocks_held(seq->num_tokens(), max_num_batched_tokens_) > blocks_.num_blocks()) {
             waiting_.pop_front();
             blocks_.free(seq->blocks);
             seq->status = SequenceStatus::finished;

@@ -118,6 +118,10 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
         throw std::invalid_argument("LlamaModel: use_rope has " + std::to_string(config_.use_rope.size()) +
                                     " flags for " + std::to_string(config_.num_layers) + " layers");
     }
+    if (!config_.windows.empty() && static_cast<int64_t>(config_.windows.size()) != config_.num_layers) {
+        throw std::invalid_argument("LlamaModel: windows has " + std::to_string(config_.windows.size()) +
+                                    " entries for " + std::to_string(config_.num_layers) + " layers");
+    }
     if (static_cast<int64_t>(weights_.layers.size()) != config_.num_layers) {
         throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
                                     std::to_string(config_.num_layers) + " layers");
@@ -214,7 +218,8 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         const bool rope = c.use_rope.empty() || c.use_rope[l];
         const TensorView cos_sin = rope ? weights_.cos_sin : columns(weights_.cos_sin, 0, 0);
         cpu::rope_fill_kv(qkv, pos, cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
-        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant);
+        const int64_t window = c.windows.empty() ? 0 : c.windows[l];
+        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window);
         apply(attn2d, w.o, delta, c.int8_activations);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
         apply(x, w.gate_up, gu, c.int8_activations);

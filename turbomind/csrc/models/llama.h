@@ -27,6 +27,9 @@ struct LlamaConfig {
     float rms_norm_eps = 1e-6f;
     bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
     std::vector<bool> use_rope;  // per layer: q and k rotated (SmolLM3's NoPE layers: false); empty: all
+    // per layer: its sliding window (a query reads its last `window` tokens), 0: full attention;
+    // empty: every layer full
+    std::vector<int64_t> windows;
     // W4A16 and W8A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h,
     // W8A8 by groups of quant.h): llama.cpp's Q4 / Q8_0 x Q8 arithmetic, no longer float-exact
     bool int8_activations = false;
