@@ -6,7 +6,7 @@ consecutive, non-overlapping windows of ``window`` tokens from the start; score 
 alone from an empty KV cache, teacher-forced in one forward pass: the NLL of tokens
 1 .. window - 1 given their prefix. ``ppl = exp(mean NLL over every scored token)``.
 
-Backends: 'turbomind' and 'pytorch', each with the checkpoint's format (float, AWQ, W8A8, a
+Backends: 'turbomind' and 'pytorch', each with the checkpoint's format (float, AWQ, GPTQ, W8A8, a
 GGUF conversion's quantized matmuls) and ``quant_policy`` for the KV cache, built through the
 core (``lmd.pipeline``) and scored with its ``get_logits``: one full-sequence forward per window,
 no sampling (``lmd.engine.Engine.get_logits``); 'hf' is HF ``transformers`` on the float
@@ -24,6 +24,7 @@ import torch
 BACKENDS = ('turbomind', 'pytorch', 'hf')
 _DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 BLOCK_SIZE = 64
+EVAL_TEXTS = {'prose': 'eval', 'code': 'code'}  # the built-in held-out texts: name -> calib_data.builtin_text split
 
 Scorer = Callable[[list[int]], torch.Tensor]  # window ids -> float32 logits [window, vocab]
 
@@ -32,7 +33,8 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
              quant_policy: int = 0, backend: str = 'turbomind', dtype: str = 'float32', window: int = 512,
              num_windows: int = 12) -> dict:
     """Perplexity of ``model_path`` ('smollm2', a hub id, a directory or a GGUF file) on
-    ``text_file`` (UTF-8 text) or the built-in held-out prose (``calib_data.builtin_text('eval')``).
+    ``text_file``: a UTF-8 text file, or one of the built-in held-out texts, 'prose' (the default,
+    ``calib_data.builtin_text('eval')``) or 'code' (Python's own source, ``builtin_text('code')``).
 
     ``model_format`` None reads the checkpoint as the engines do: on TurboMind a GGUF conversion
     (``'smollm2'``) runs its 4-bit matmuls (values equal to the float weights'); 'hf' forces the
@@ -52,7 +54,7 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
     ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)
     need = window * num_windows
     if len(ids) < need:
-        source = text_file or 'the built-in eval text'
+        source = f"the built-in {text_file or 'prose'} text" if text_file in (None, *EVAL_TEXTS) else text_file
         raise ValueError(f'{source} has {len(ids)} tokens, fewer than num_windows * window = {num_windows} * '
                          f'{window} = {need}; {len(ids) // window} windows of {window} tokens fit')
 
@@ -89,15 +91,15 @@ def _check_args(backend, quant_policy, dtype, window, num_windows, model_format)
         raise ValueError(f'window={window!r} is invalid: a window needs at least 2 tokens')
     if not isinstance(num_windows, int) or num_windows < 1:
         raise ValueError(f'num_windows={num_windows!r} is invalid: score at least one window')
-    if model_format not in (None, 'hf', 'awq', 'w8a8', 'gguf'):
+    if model_format not in (None, 'hf', 'awq', 'gptq', 'w8a8', 'gguf'):
         raise ValueError(f"model_format={model_format!r} is invalid: choose None (detect), 'hf', 'awq', "
-                         "'w8a8' or 'gguf'")
+                         "'gptq', 'w8a8' or 'gguf'")
 
 
 def _read_text(text_file: str | None) -> str:
     from .calib_data import builtin_text
-    if text_file is None:
-        return builtin_text('eval')
+    if text_file is None or text_file in EVAL_TEXTS:
+        return builtin_text(EVAL_TEXTS[text_file or 'prose'])
     if not os.path.isfile(text_file):
         raise FileNotFoundError(f'text_file {text_file!r} does not exist')
     try:

@@ -70,7 +70,7 @@ def auto_awq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_s
 
 def gptq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_samples: int = 128,
          calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False, w_group_size: int = 128,
-         damp: float = 0.01, dtype: str = 'float32'):
+         damp: float = 0.1, dtype: str = 'float32'):
     """Quantize a model's matmul weights to 4 bits with GPTQ (each column's rounding error compensated
     by the columns after it, layer by layer on the quantized layers' outputs) and write an AutoGPTQ
     (v1) checkpoint.
@@ -128,7 +128,8 @@ def eval_ppl(model: str, *, text: str | None = None, model_format: str | None = 
 
     Args:
         model: a model directory (float, AWQ, W8A8), a .gguf file, or 'smollm2'.
-        text: a UTF-8 .txt file; by default English prose shipped with Python that calibration never uses.
+        text: a UTF-8 .txt file, or a built-in held-out text: 'prose' (the default; English prose shipped with
+            Python that calibration never uses) or 'code' (Python source of the standard library).
         model_format: None (from config.json), 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8'
             or 'gguf'.
         quant_policy: KV cache: 0 as the model, 8 int8, 4 int4.
