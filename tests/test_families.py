@@ -24,7 +24,7 @@ from lmd.weights.memory import default_session_len
 from test_models import hf_logits, run_chunked
 from test_pytorch_engine import generate, hf_greedy, rand_prompt
 from test_turbomind_model import BLOCK_SIZE, tm_chunked
-from tiny_models import tiny_hf_model
+from tiny_models import saved_models, tiny_hf_model
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -110,17 +110,7 @@ def test_teacher_forced_logits_match_hf(engine, family, n, session_len):
 
 @pytest.fixture(scope='module')
 def family_dirs(tmp_path_factory):
-    """family -> (HF model, saved directory); built once."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            model, _, _ = make_family(family)
-            path = str(tmp_path_factory.mktemp(family))
-            model.save_pretrained(path, safe_serialization=True)
-            cache[family] = (model, path)
-        return cache[family]
-    return get
+    return saved_models(tmp_path_factory, make_family)
 
 
 def engine_greedy(engine: str, path: str, prompts: list[list[int]], session_len: int | None) -> list[list[int]]:

@@ -18,7 +18,7 @@ from test_families import ENGINES, IDS, TINY, engine_logits, tokens
 from test_models import hf_logits
 from test_pytorch_engine import assert_no_leak, generate, hf_greedy
 from test_turbomind_engine import assert_all_blocks_back
-from tiny_models import tiny_hf_model
+from tiny_models import saved_models, tiny_hf_model
 
 WINDOW = 8
 FAMILIES = {
@@ -62,16 +62,7 @@ def test_teacher_forced_logits_match_hf_past_the_window(engine, family):
 
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            model, _, _ = make(family)
-            path = str(tmp_path_factory.mktemp(family))
-            model.save_pretrained(path, safe_serialization=True)
-            cache[family] = (model, path)
-        return cache[family]
-    return get
+    return saved_models(tmp_path_factory, make)
 
 
 @pytest.mark.parametrize('engine', ENGINES)

@@ -23,3 +23,18 @@ def tiny_hf_model(config_class: str, model_class: str, seed: int = 0, **config_k
             else:
                 p.normal_(0, 0.12)
     return model, hf_config
+
+
+def saved_models(tmp_path_factory, make):
+    """family -> (HF model, the directory it is saved in), each built once by ``make(family)``, whose
+    first value is the HF model."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = make(family)[0]
+            path = str(tmp_path_factory.mktemp(family))
+            model.save_pretrained(path, safe_serialization=True)
+            cache[family] = (model, path)
+        return cache[family]
+    return get
