@@ -26,8 +26,52 @@ class Prompt:
         return len(self.token_ids)
 
 
+# Random models of a family, for figures of code paths no shipped model has (``--model tiny:<name>``):
+# small but not toy-sized, SmolLM2's tokenizer (so the prose workload reads as text).
+TINY_FAMILIES = {
+    'mixtral': ('MixtralConfig', 'MixtralForCausalLM',
+                dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                     num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def tiny_model_dir(name: str) -> str:
+    """``~/.cache/lmd/tiny/<name>``: a random ``TINY_FAMILIES[name]`` model (seed 0, weights spread so
+    the logits are not flat) in float32 with SmolLM2's tokenizer files; built once."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from lmd.model_path import prepare_model_dir
+    if name not in TINY_FAMILIES:
+        raise ValueError(f'tiny:{name}: no such tiny model; choose from {sorted(TINY_FAMILIES)}')
+    out = os.path.join(os.path.expanduser('~/.cache/lmd/tiny'), name)
+    if os.path.isfile(os.path.join(out, 'config.json')):
+        return out
+    config_class, model_class, sizes = TINY_FAMILIES[name]
+    tok_dir = prepare_model_dir('smollm2')
+    config = getattr(transformers, config_class)(vocab_size=49152, max_position_embeddings=2048, bos_token_id=1,
+                                                 eos_token_id=2, tie_word_embeddings=False, **sizes)
+    config.architectures = [model_class]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            param.copy_(1 + 0.3 * torch.randn_like(param)) if 'norm' in pname else param.normal_(0, 0.05)
+    tmp = out + '.tmp'
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in ('tokenizer.json', 'tokenizer_config.json'):
+        shutil.copy(os.path.join(tok_dir, f), tmp)
+    os.replace(tmp, out)
+    return out
+
+
 def resolve_model_dir(model: str) -> str:
-    """The HF directory (float32 safetensors) that both lmd and transformers load."""
+    """The HF directory (float32 safetensors) that both lmd and transformers load; ``tiny:<name>``: a
+    random model of a family (``tiny_model_dir``)."""
+    if model.startswith('tiny:'):
+        return tiny_model_dir(model.removeprefix('tiny:'))
     if os.path.isfile(os.path.join(model, 'config.json')):
         return os.path.abspath(model)  # already an HF directory
     from lmd.model_path import prepare_model_dir
