@@ -18,7 +18,8 @@ CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'p
 # turbomind`, declares one of them), on the devices it has kernels for (CPU only: the CUDA kernels
 # come later).
 TURBOMIND_ARCHITECTURES = frozenset({'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM',
-                                     'Qwen3ForCausalLM'})
+                                     'Qwen3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM',
+                                     'Qwen3MoeForCausalLM'})
 TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'})
 TURBOMIND_DEVICES = frozenset({'cpu'})
 
@@ -35,8 +36,6 @@ def check_backend(backend: str | None) -> str:
 def turbomind_refusal(model_dir: str, model_format: str | None = None, device: str = 'cpu') -> str | None:
     """Why TurboMind cannot run ``model_dir`` as asked, or None when it can."""
     config = ModelConfig.from_dir(model_dir)
-    if config.moe is not None:
-        return f'{config.architecture}: MoE runs on the PyTorch engine; TurboMind support is not built yet'
     if config.architecture not in TURBOMIND_ARCHITECTURES:
         return f'TurboMind does not run {config.architecture}'
     fmt = model_format or config.model_format

@@ -1,7 +1,8 @@
-"""Mixture-of-experts models on the PyTorch engine (Mixtral, Qwen2-MoE, Qwen3-MoE) vs HF transformers
-in float32: teacher-forced logits through chunked prefill and decode, greedy tokens of prompts batched
-together (tokens of different sequences routed to the same experts); the grouped-matmul kernel vs
-every expert on every token; the config's MoE fields and TurboMind's refusal.
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) on both engines vs HF transformers in
+float32: teacher-forced logits through chunked prefill and decode, greedy tokens of prompts batched
+together (tokens of different sequences routed to the same experts); TurboMind's rows independent of
+the step's other rows, its converted layout, its errors for bad expert shapes; the PyTorch engine's
+grouped-matmul kernel vs every expert on every token; the config's MoE fields.
 """
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from lmd.backend import autoget_backend, turbomind_refusal
+from lmd.convert import convert
 from lmd.engine import SamplingParams
-from lmd.errors import ModelFormatError
-from lmd.messages import PytorchEngineConfig
+from lmd.messages import PytorchEngineConfig, TurbomindEngineConfig
 from lmd.model_config import ModelConfig, ModelConfigError
 from lmd.model_loader import load_weights
 from lmd.pytorch_backend import PytorchEngine
 from lmd.pytorch_backend.kernels import torch_ops
+from lmd.turbomind.engine import TurbomindEngine
+from lmd.turbomind.model import TurbomindModel
 from lmd.weights.schema import fuse_weights
 from test_pytorch_engine import assert_no_leak, generate, hf_greedy, hf_logits, rand_prompt
+from test_turbomind_model import Runner, tm_chunked
 from tiny_models import tiny_hf_model
 
 TINY = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -130,10 +134,59 @@ def test_config_reads_sparse_layers_and_refuses_unsupported_settings():
             ModelConfig.from_dict(_qwen2_moe_config(**bad))
 
 
-def test_turbomind_refuses_moe_and_auto_picks_pytorch(moe_models):
-    _, path = moe_models('mixtral')
-    assert 'MixtralForCausalLM: MoE runs on the PyTorch engine' in turbomind_refusal(path)
-    assert autoget_backend(path) == 'pytorch'
-    config = ModelConfig.from_dir(path)
-    with pytest.raises(ModelFormatError, match='TurboMind support is not built yet'):
-        fuse_weights(config, load_weights(path), torch.float32)
+def tm_moe_engine(path: str, **cfg) -> TurbomindEngine:
+    return TurbomindEngine(path, TurbomindEngineConfig(cache_block_seq_len=8, num_cache_blocks=128, **cfg))
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_turbomind_teacher_forced_logits_match_hf(moe_models, family):
+    model, path = moe_models(family)
+    config, weights = ModelConfig.from_dir(path), load_weights(path)
+    rng = random.Random(1)
+    tokens = rand_prompt(rng, 61) + rand_prompt(rng, 16)
+    # the prompt in 3 chunks that end mid-block, then 16 decode steps
+    got = tm_chunked(TurbomindModel(config, weights, torch.float32, 64, 4), tokens, [24, 24, 13])[60:]
+    want = hf_logits(model, tokens)[60:]
+    assert got.shape == want.shape == (17, 512)
+    assert (got - want).abs().max().item() < 1e-3 * (want.max() - want.min()).item()
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_turbomind_batched_greedy_matches_hf(moe_models, family):
+    model, path = moe_models(family)
+    rng = random.Random(2)
+    prompts = [rand_prompt(rng, n) for n in (37, 5, 20, 12)]
+    # at once, in chunks of 24 tokens: prefill chunks and decodes share steps and experts
+    with tm_moe_engine(path, max_batch_size=4, max_prefill_token_num=24) as engine:
+        got = generate(engine, prompts, SamplingParams(max_new_tokens=32))[0]
+    assert got == [hf_greedy(model, p, 32) for p in prompts]
+
+
+def test_turbomind_rows_equal_each_sequence_alone(moe_models):
+    """A step mixing sequences gives each bitwise what it gets alone: a token's experts and their
+    sum never depend on which other tokens the step routes to them."""
+    _, path = moe_models('qwen2_moe')
+    model = TurbomindModel(ModelConfig.from_dir(path), load_weights(path), torch.float32, 64, 4)
+    seqs = [rand_prompt(random.Random(10 + n), n) for n in (5, 9, 14)]
+    runner = Runner(model, 64, seed=7)
+    got = runner.step([(i, s) for i, s in enumerate(seqs)])
+    for i, seq in enumerate(seqs):
+        assert torch.equal(got[i], tm_chunked(model, seq, [len(seq)], seed=100 + i)), f'seq {i}'
+
+
+def test_turbomind_runs_moe_converted_and_auto_picks_it(moe_models, tmp_path):
+    model, path = moe_models('qwen2_moe')
+    assert turbomind_refusal(path) is None and autoget_backend(path) == 'turbomind'
+    out = convert(path, str(tmp_path / 'tm'), backend='turbomind')
+    prompt = rand_prompt(random.Random(4), 20)
+    with tm_moe_engine(out) as engine:
+        assert generate(engine, [prompt], SamplingParams(max_new_tokens=8))[0] == [hf_greedy(model, prompt, 8)]
+
+
+def test_turbomind_bad_expert_shapes_are_clear_errors(moe_models):
+    _, path = moe_models('qwen3_moe')
+    config, weights = ModelConfig.from_dir(path), load_weights(path)
+    tensors = fuse_weights(config, weights, torch.float32)
+    tensors['layers.1.experts.down'] = tensors['layers.1.experts.down'][:, :, :16].contiguous()
+    with pytest.raises(ValueError, match=r'layers\.1\.experts\.down.*\[8, 4, 32, 16\]'):
+        TurbomindModel.from_fused(config, tensors, torch.float32, 16, 4)

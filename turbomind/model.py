@@ -17,6 +17,7 @@ from torch.utils.dlpack import to_dlpack
 
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import DTYPE_NAMES
+from lmd.weights.moe import EXPERT_STACKS, MOE_MATMULS
 from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
@@ -25,6 +26,8 @@ from lmd.kernels import ops
 from . import _turbomind
 
 SMALL_TENSOR_BYTES = 16 << 20
+# the float matmuls [N, K] of a layer, dense or sparse (lmd.weights.moe), that run packed
+_MATMUL_SUFFIXES = MATMUL_SUFFIXES + tuple(f'.{name}' for name in MOE_MATMULS)
 
 
 def _narrowed(t: torch.Tensor) -> torch.Tensor:
@@ -59,13 +62,27 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
     for name in list(tensors):
         w = tensors[name]
-        if name == 'lm_head' or (name.startswith('layers.') and name.endswith(MATMUL_SUFFIXES)):
+        if name.startswith('layers.') and name.endswith(EXPERT_STACKS):  # [E, N, K] -> [E, P, K, 16]
+            packed = torch.empty(w.shape[0], (w.shape[1] + 15) // 16, w.shape[2], 16, dtype=w.dtype)
+            for expert, panels in zip(w, packed):
+                ops.pack_linear(to_dlpack(expert), to_dlpack(panels))
+            tensors[name] = packed
+        elif name == 'lm_head' or (name.startswith('layers.') and name.endswith(_MATMUL_SUFFIXES)):
             packed = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=w.dtype)
             ops.pack_linear(to_dlpack(w), to_dlpack(packed))
             tensors[name] = packed
         elif w.dim() < 3 and w.numel() * w.element_size() < SMALL_TENSOR_BYTES:
             tensors[name] = w.clone()
     return tensors
+
+
+def _moe_config(config: ModelConfig) -> dict:
+    """``LlamaModel``'s config of the experts (turbomind/csrc/models/moe.h): Qwen rounds the routing
+    weights to the model dtype, Mixtral keeps them in float32 (as transformers does)."""
+    moe = config.moe
+    return dict(num_experts=moe.num_experts, top_k=moe.top_k, intermediate_size=moe.intermediate_size,
+                norm_topk_prob=moe.norm_topk_prob, round_weights=config.family != 'mixtral',
+                shared_intermediate_size=moe.shared_intermediate_size, sparse_layers=list(moe.sparse_layers))
 
 
 class TurbomindModel:
@@ -114,6 +131,8 @@ class TurbomindModel:
                    qk_norm=config.qk_norm, int8_activations=int8_activations,
                    use_rope=[config.uses_rope(n) for n in range(config.num_layers)],
                    windows=list(config.layer_windows))
+        if config.moe is not None:
+            cfg['moe'] = _moe_config(config)
         self.int8_activations = int8_activations
         self._cpp_config = cfg
         self.cpp = self._new_cpp(num_blocks)

@@ -54,3 +54,28 @@ def stack_experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: 
     gate_up = torch.stack([torch.cat([weights[gate].to(dtype), weights[up].to(dtype)]) for gate, up, _ in names])
     down = torch.stack([weights[down].to(dtype) for _, _, down in names])
     return gate_up, down
+
+
+# TurboMind's names (``fuse_weights``) of a sparse layer's tensors, under ``layers.{i}.``: the float
+# matmuls [N, K] beside the expert stacks [E, N, K]
+MOE_MATMULS = ('router', 'shared_gate_up', 'shared_down', 'shared_gate')
+EXPERT_STACKS = ('experts.gate_up', 'experts.down')
+
+
+def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
+             dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer ``layer``'s MoE MLP under TurboMind's names, in ``dtype``: ``router`` [E, H], the experts
+    stacked (``experts.gate_up`` [E, 2 I, H], ``experts.down`` [E, H, I]) and, for Qwen2-MoE, the shared
+    expert (``shared_gate_up`` [2 S, H], ``shared_down`` [H, S]) and its gate ``shared_gate`` [1, H]."""
+    p, q = moe_prefix(config, layer), f'layers.{layer}.'
+
+    def get(name: str) -> torch.Tensor:
+        return weights[name].to(dtype).contiguous()
+
+    gate_up, down = stack_experts(config, weights, layer, dtype)
+    out = {q + 'router': get(p + 'gate.weight'), q + 'experts.gate_up': gate_up, q + 'experts.down': down}
+    if config.moe.shared_intermediate_size:
+        gate, up, down = (p + m + '.weight' for m in SHARED_EXPERT_MATMULS)
+        out.update({q + 'shared_gate_up': torch.cat([get(gate), get(up)]), q + 'shared_down': get(down),
+                    q + 'shared_gate': get(p + 'shared_expert_gate.weight')})
+    return out

@@ -24,7 +24,7 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
-from .moe import moe_weight_shapes
+from .moe import fuse_moe, moe_weight_shapes
 from .quant_layouts import gguf_block_shape
 from .rope import build_cos_sin_cache
 
@@ -188,9 +188,6 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
     runs so (``<name>.qweight``, ``.scales``, ``.mins``; bias float32); else in float from
     ``weights`` (a GGUF conversion has both). The embedding lookup always reads the float rows.
     """
-    if config.moe is not None:
-        raise ModelFormatError(f'{config.architecture}: MoE runs on the PyTorch engine (backend pytorch); '
-                               'TurboMind support is not built yet')
     quantized = quantized or {}
     check_quantized_weights(config, weights, quantized)
 
@@ -253,15 +250,19 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
         out[q + 'k_norm'] = get(p + 'self_attn.k_norm.weight')
         matmul(n, 'o')
         out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
-        matmul(n, 'gate_up')
-        matmul(n, 'down')
+        if config.is_sparse(n):
+            out.update(fuse_moe(config, weights, n, dtype))
+        else:
+            matmul(n, 'gate_up')
+            matmul(n, 'down')
     return {k: v for k, v in out.items() if v is not None}
 
 
 def linear_formats(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Fused matmul name -> how it runs: 'float', 'w4a16', 'w8a16', 'w8a8' or 'gguf' (``fuse_weights``'
     output)."""
-    names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES]
+    names = ['lm_head'] + [f'layers.{n}{s}' for n in range(config.num_layers) for s in MATMUL_SUFFIXES
+                           if not (config.is_sparse(n) and s in ('.gate_up', '.down'))]
     return {n: 'gguf' if n + '.gguf_types' in tensors else 'w4a16' if n + '.part_rows' in tensors else
             'float' if n + '.qweight' not in tensors else
             quant_format(tuple(tensors[f'{n}.{f}'] for f in ('qweight', 'scales', 'mins') if f'{n}.{f}' in tensors))

@@ -12,6 +12,7 @@
 #include "cpu/gguf.h"
 #include "cpu/quant.h"
 #include "models/llama.h"
+#include "models/moe.h"
 
 namespace turbomind {
 
@@ -193,6 +194,58 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         }
         return lw;
     };
+    // a stack of E float matmuls [E, N, K], or each in panels [E, ceil(N / 16), K, 16]: one LinearWeights
+    // an expert, views into it
+    auto experts = [&](const std::string & name, int64_t E, int64_t N, int64_t K) {
+        if (!tensors.contains(name)) fail("LlamaModel: missing weight " + name);
+        const bool packed = view_of(tensors[py::str(name)], name.c_str()).ndim == 4;
+        const TensorView all = packed ? take(name, {E, (N + 15) / 16, K, 16}, true) : take(name, {E, N, K}, true);
+        std::vector<LinearWeights> out(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) {
+            TensorView v = all;
+            v.data = static_cast<uint8_t *>(all.data) + e * all.stride(0) * dtype_size(all.dtype);
+            v.ndim = all.ndim - 1;
+            for (int d = 0; d < v.ndim; ++d) {
+                v.shape[d] = all.shape[d + 1];
+                v.strides[d] = all.strides[d + 1];
+            }
+            (packed ? out[e].packed : out[e].weight) = v;
+        }
+        return out;
+    };
+    // layer p's mixture of experts (moe.h) as config["moe"] describes it
+    auto moe = [&](const std::string & p) {
+        const py::dict m = cfg["moe"].cast<py::dict>();
+        auto w = std::make_shared<MoeWeights>();
+        const int64_t E = get_int(m, "num_experts"), EI = get_int(m, "intermediate_size");
+        const int64_t S = get_int(m, "shared_intermediate_size");
+        w->top_k = get_int(m, "top_k");
+        if (E < 1 || w->top_k < 1 || w->top_k > E || EI < 1 || S < 0) {
+            fail("LlamaModel config: moe needs num_experts >= 1, 1 <= top_k <= num_experts, intermediate_size >= 1 "
+                 "and shared_intermediate_size >= 0");
+        }
+        w->intermediate_size = EI;
+        w->norm_topk_prob = m["norm_topk_prob"].cast<bool>();
+        w->round_weights = m["round_weights"].cast<bool>();
+        w->router = linear(p + "router", E, H);
+        w->gate_up = experts(p + "experts.gate_up", E, 2 * EI, H);
+        w->down = experts(p + "experts.down", E, H, EI);
+        w->shared_intermediate_size = S;
+        if (S) {
+            w->shared_gate_up = linear(p + "shared_gate_up", 2 * S, H);
+            w->shared_down = linear(p + "shared_down", H, S);
+            w->shared_gate = linear(p + "shared_gate", 1, H);
+        }
+        return std::shared_ptr<const MoeWeights>(w);
+    };
+    std::vector<bool> sparse(static_cast<size_t>(c.num_layers), false);
+    if (cfg.contains("moe")) {
+        sparse = cfg["moe"]["sparse_layers"].cast<std::vector<bool>>();
+        if (static_cast<int64_t>(sparse.size()) != c.num_layers) {
+            fail("LlamaModel config: moe.sparse_layers has " + std::to_string(sparse.size()) + " flags for " +
+                 std::to_string(c.num_layers) + " layers");
+        }
+    }
     LlamaWeights w;
     w.embed = take("embed", {c.vocab_size, H}, !is_packed("lm_head"));  // none: tied, rows from lm_head's panels
     w.norm = take("norm", {H}, true);
@@ -213,8 +266,12 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         lw.k_norm = take(p + "k_norm", {D}, c.qk_norm);
         lw.o = linear(p + "o", H, c.num_heads * D);
         lw.post_norm = take(p + "post_norm", {H}, true);
-        lw.gate_up = linear(p + "gate_up", 2 * I, H);
-        lw.down = linear(p + "down", H, I);
+        if (sparse[l]) {
+            lw.moe = moe(p);
+        } else {
+            lw.gate_up = linear(p + "gate_up", 2 * I, H);
+            lw.down = linear(p + "down", H, I);
+        }
         w.layers.push_back(lw);
     }
     if (quant_policy != 0 && quant_policy != 4 && quant_policy != 8) {
@@ -384,7 +441,10 @@ void bind_models(py::module_ & m) {
              py::arg("block_size"), py::arg("quant_policy") = 0,
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
              "rms_norm_eps, qk_norm, use_rope (a flag per layer; default: all), windows (a sliding window per "
-             "layer, 0: full; default: all full). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "layer, 0: full; default: all full), moe (a mixture of experts: num_experts, top_k, intermediate_size, "
+             "norm_topk_prob, round_weights, shared_intermediate_size, sparse_layers; a sparse layer reads "
+             "layers.{i}.{router, experts.gate_up [E, 2I, H], experts.down [E, H, I] (each expert may come packed, "
+             "[E, ceil(N / 16), K, 16]), shared_gate_up, shared_down, shared_gate} in place of gate_up, down). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
              "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
              "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "

@@ -1,4 +1,5 @@
 #include "models/llama.h"
+#include "models/moe.h"
 
 #include <cmath>
 #include <cstring>
@@ -103,6 +104,10 @@ void apply(const TensorView & x_in, const LinearWeights & w, const TensorView & 
 }
 
 }  // namespace
+
+void apply_linear(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
+    apply(x, w, y, int8_activations);
+}
 
 LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType dtype, int64_t num_blocks,
                        int64_t block_size, int quant_policy)
@@ -222,9 +227,13 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window);
         apply(attn2d, w.o, delta, c.int8_activations);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
-        apply(x, w.gate_up, gu, c.int8_activations);
-        cpu::silu_and_mul(gu, act);
-        apply(act, w.down, delta, c.int8_activations);
+        if (w.moe) {
+            moe_forward(*w.moe, x, delta, c.int8_activations);
+        } else {
+            apply(x, w.gate_up, gu, c.int8_activations);
+            cpu::silu_and_mul(gu, act);
+            apply(act, w.down, delta, c.int8_activations);
+        }
     }
     // the final norm and the head, only for the rows whose logits are wanted
     const int64_t R = in.num_logit_rows;

@@ -71,6 +71,8 @@ struct LinearWeights {
     bool quantized() const { return qweight.data != nullptr || !gguf.empty() || !parts.empty(); }
 };
 
+struct MoeWeights;  // moe.h
+
 struct LlamaLayerWeights {
     TensorView input_norm;   // [H]
     LinearWeights qkv;       // [(Hq + 2 Hk) D, H]
@@ -80,6 +82,7 @@ struct LlamaLayerWeights {
     TensorView post_norm;    // [H]
     LinearWeights gate_up;   // [2 I, H]
     LinearWeights down;      // [H, I]
+    std::shared_ptr<const MoeWeights> moe;  // a sparse layer's experts in place of gate_up / down (moe.h)
 };
 
 struct LlamaWeights {
