@@ -6,7 +6,8 @@ HF checkpoints store one tensor per expert and matmul: Mixtral ``block_sparse_mo
 ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` beside ``mlp.gate``, and Qwen2-MoE's shared
 expert ``mlp.shared_expert.*`` with its gate ``mlp.shared_expert_gate`` [1, H]. Stacked, the experts are
 ``gate_up`` [E, 2 I, H] (each expert's gate rows, then its up rows, as ``schema`` fuses a dense MLP) and
-``down`` [E, H, I].
+``down`` [E, H, I]: the PyTorch engine's grouped matmuls read them, and TurboMind's (``fuse_moe``: a sparse
+layer's tensors under TurboMind's names).
 """
 from __future__ import annotations
 
