@@ -1,17 +1,20 @@
 """What ``lmd lite`` costs in quality and buys in size and speed, every scheme in one run.
 
-    python benchmark/lite_quality.py                       # SmolLM2, all schemes (~40 min on 2 cores)
+    python benchmark/lite_quality.py                       # SmolLM2, all schemes (~60 min on 2 cores)
     python benchmark/lite_quality.py --model tiny          # a tiny random Llama (same tokenizer), minutes
-    python benchmark/lite_quality.py --schemes float32,rtn_g64,awq_g64 --calib-samples 32
+    python benchmark/lite_quality.py --schemes float32,rtn_g64,awq_g64,gptq_g64 --calib-samples 32
 
 Schemes: ``float32`` (the checkpoint itself), ``rtn_gG`` (plain round-to-nearest int4 with zero
-points, ``lmd lite auto_awq --rtn``), ``awq_gG`` (``lmd lite auto_awq``), ``w8a8``
-(``lmd lite smooth_quant``), ``kv8`` / ``kv4`` (the float checkpoint with ``quant_policy`` 8 / 4).
-Each quantizer runs as the ``lmd`` command in its own process under ``/usr/bin/time``, which
-gives its wall time and peak RSS. Perplexity is ``lmd.lite.eval_ppl`` in TurboMind on the
-held-out prose (``calib_data.builtin_text('eval')``, never used for calibration), the same
-windows for every scheme; HF ``transformers`` float32 on the float checkpoint is the reference
-row. ``linear_bytes`` is what the checkpoint's matmul weights take on disk, and
+points, ``lmd lite auto_awq --rtn``), ``awq_gG`` (``lmd lite auto_awq``), ``gptq_gG``
+(``lmd lite gptq``), ``w8a8`` (``lmd lite smooth_quant``), ``kv8`` / ``kv4`` (the float
+checkpoint with ``quant_policy`` 8 / 4). Each quantizer runs as the ``lmd`` command in its own
+process under ``/usr/bin/time``, which gives its wall time and peak RSS. Perplexity is
+``lmd.lite.eval_ppl`` in TurboMind on the two held-out texts (``eval_ppl.EVAL_TEXTS``): the
+prose (``calib_data.builtin_text('eval')``, of the calibration text's kind but never used for
+it) and Python source (``builtin_text('code')``, another kind), the same windows for every
+scheme; HF ``transformers`` float32 on the float checkpoint is the reference row. ``closed`` is
+the share of RTN's perplexity gap to float (same group size) that a calibrated int4 scheme
+closes, per text. ``linear_bytes`` is what the checkpoint's matmul weights take on disk, and
 ``linear_vs_16bit`` that over the same matmuls at 16 bits. Batch-1 decode tokens/s (greedy,
 ``--decode-tokens`` prompt,output) through TurbomindEngine compares each quantized checkpoint
 with the float checkpoint run in float16.
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DEFAULT_THREADS, add_engine_args, set_threads  # noqa: E402
 
 LINEARS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
-DEFAULT_SCHEMES = 'float32,rtn_g64,rtn_g32,awq_g64,awq_g32,w8a8,kv8,kv4'
+DEFAULT_SCHEMES = 'float32,rtn_g64,rtn_g32,awq_g64,awq_g32,gptq_g64,gptq_g32,w8a8,kv8,kv4'
 
 
 def log(*args) -> None:
@@ -94,7 +97,7 @@ def linear_bytes(model_dir: str) -> tuple[int, int]:
                 total += size
                 if key.endswith('.weight'):            # float or int8 [N, K]
                     sixteen += numel * 2
-                elif key.endswith('.qweight'):         # AWQ int32 [K, N / 8]
+                elif key.endswith('.qweight'):         # AWQ int32 [K, N / 8], GPTQ [K / 8, N]
                     sixteen += numel * 8 * 2
     return total, sixteen
 
@@ -123,6 +126,17 @@ def rounded(ppl: float | None) -> float | None:
     return None if ppl is None else round(ppl, 3)
 
 
+def gap_closed(rows: list[dict], ref: dict) -> None:
+    """Add ``closed`` {text: %} to each awq_gG / gptq_gG row: how much of rtn_gG's gap to ``ref`` it closes."""
+    by_scheme = {r['scheme']: r for r in rows}
+    for r in rows:
+        kind, _, group = r['scheme'].partition('_g')
+        rtn = by_scheme.get(f'rtn_g{group}')
+        if kind in ('awq', 'gptq') and rtn and None not in (*r['ppl'].values(), *rtn['ppl'].values()):
+            r['closed'] = {t: round(100 * (rtn['ppl'][t] - r['ppl'][t]) / (rtn['ppl'][t] - ref[t]), 1)
+                           for t in r['ppl']}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -144,7 +158,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from lmd.lite.eval_ppl import eval_ppl
+    from lmd.lite.eval_ppl import EVAL_TEXTS, eval_ppl
     from lmd.model_path import prepare_model_dir
     set_threads(DEFAULT_THREADS)
     os.makedirs(args.work_root, exist_ok=True)
@@ -157,15 +171,19 @@ def main(argv=None) -> int:
     prompt = list(range(1000, 1000 + prompt_len))
     ppl_args = dict(window=args.window, num_windows=args.num_windows)
 
+    def ppls(path: str, **kw) -> dict:
+        return {text: rounded(eval_ppl(path, text, **ppl_args, **kw)['ppl']) for text in EVAL_TEXTS}
+
     result = {'benchmark': 'lite_quality', 'model': args.model, 'model_dir': model_dir,
-              'eval': f'{args.num_windows} windows x {args.window} tokens of the held-out prose',
+              'eval': f'{args.num_windows} windows x {args.window} tokens of each held-out text: '
+                      f'{", ".join(EVAL_TEXTS)}',
               'calibration': f'{args.calib_samples} x {args.calib_seqlen} tokens of the calibration prose',
               'rows': []}
     if args.decode_only:
         args.reuse = True
         eval_ppl = lambda *a, **k: {'ppl': None}  # noqa: E731
-    ref = eval_ppl(model_dir, backend='hf', **ppl_args)
-    result['rows'].append({'scheme': 'float32 (HF transformers)', 'ppl': rounded(ref['ppl'])})
+    ref = ppls(model_dir, backend='hf')
+    result['rows'].append({'scheme': 'float32 (HF transformers)', 'ppl': ref})
     log(result['rows'][-1])
     float_bytes = linear_bytes(model_dir)
     if prompt_len:
@@ -174,7 +192,7 @@ def main(argv=None) -> int:
         row: dict = {'scheme': scheme}
         if scheme in ('float32', 'kv8', 'kv4'):
             qp = {'float32': 0, 'kv8': 8, 'kv4': 4}[scheme]
-            row['ppl'] = rounded(eval_ppl(model_dir, quant_policy=qp, **ppl_args)['ppl'])
+            row['ppl'] = ppls(model_dir, quant_policy=qp)
             row['linear_bytes'], _ = float_bytes
             row['linear_vs_16bit'] = round(float_bytes[0] / float_bytes[1], 3)
         else:
@@ -188,26 +206,33 @@ def main(argv=None) -> int:
                     extra = ['--rtn'] if kind == 'rtn' else calib
                     row.update(timed_lmd(['lite', 'auto_awq', model_dir, '--work-dir', out,
                                           '--w-group-size', group, *extra]))
+                elif kind == 'gptq':
+                    row.update(timed_lmd(['lite', 'gptq', model_dir, '--work-dir', out, '--w-group-size', group,
+                                          *calib]))
                 elif kind == 'w8a8':
                     row.update(timed_lmd(['lite', 'smooth_quant', model_dir, '--work-dir', out, *calib]))
                 else:
                     raise SystemExit(f'unknown scheme {scheme!r}; choose from {DEFAULT_SCHEMES}')
             if not os.path.isfile(os.path.join(out, 'config.json')):
                 raise SystemExit(f'--decode-only: {out} is missing; run without it first')
-            row['ppl'] = rounded(eval_ppl(out, **ppl_args)['ppl'])
+            row['ppl'] = ppls(out)
             row['linear_bytes'], sixteen = linear_bytes(out)
             row['linear_vs_16bit'] = round(row['linear_bytes'] / sixteen, 3)
             if prompt_len:
                 row['decode_tok_s'] = decode_tokens_per_s(out, prompt, out_len)
         result['rows'].append(row)
         log(row)
+    gap_closed(result['rows'], ref)
     print(json.dumps(result, indent=1))
-    log('| scheme | perplexity | matmul weights | vs 16-bit | quantize s | peak RSS MiB | decode tok/s |')
-    log('| --- | --- | --- | --- | --- | --- | --- |')
+    log('| scheme | prose ppl | code ppl | RTN gap closed (prose / code) | matmul weights | vs 16-bit | quantize s '
+        '| peak RSS MiB | decode tok/s |')
+    log('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for r in result['rows']:
         mib = f"{r['linear_bytes'] / 2**20:.1f} MiB" if 'linear_bytes' in r else ''
-        log(f"| {r['scheme']} | {r['ppl']} | {mib} | {r.get('linear_vs_16bit', '')} | {r.get('quantize_s', '')} | "
-            f"{r.get('quantize_peak_rss_mib', '')} | {r.get('decode_tok_s', '')} |")
+        closed = ' / '.join(f'{v}%' for v in r['closed'].values()) if 'closed' in r else ''
+        log(f"| {r['scheme']} | {r['ppl']['prose']} | {r['ppl']['code']} | {closed} | {mib} | "
+            f"{r.get('linear_vs_16bit', '')} | {r.get('quantize_s', '')} | {r.get('quantize_peak_rss_mib', '')} | "
+            f"{r.get('decode_tok_s', '')} |")
     if prompt_len:
         log(f"float16 decode tok/s (the 16-bit path): {result['float16_decode_tok_s']}")
     return 0
