@@ -9,7 +9,7 @@ from typing import Any
 from .errors import ModelFormatError
 
 # HF architecture name -> our family name; all are decoder-only Llama-style models (Phi-3 stores
-# q/k/v and gate/up fused; SmolLM3 leaves RoPE out of some layers).
+# q/k/v and gate/up fused; SmolLM3 leaves RoPE out of some layers; Gemma adds norms, GeGLU, soft-capping).
 SUPPORTED_ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',
     'MistralForCausalLM': 'mistral',
@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
     'Qwen3ForCausalLM': 'qwen3',
     'SmolLM3ForCausalLM': 'smollm3',
     'Phi3ForCausalLM': 'phi3',
+    'Gemma2ForCausalLM': 'gemma2',
+    'Gemma3ForCausalLM': 'gemma3',
     # mixture of experts (``MoeConfig``): the PyTorch engine runs them, TurboMind not yet
     'MixtralForCausalLM': 'mixtral',
     'Qwen2MoeForCausalLM': 'qwen2_moe',
@@ -24,6 +26,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 # families whose config switches its sliding window on and off (use_sliding_window, HF's default False)
 _WINDOW_SWITCHED = ('qwen2', 'qwen3', 'smollm3', 'qwen2_moe', 'qwen3_moe')
+_GEMMA = ('gemma2', 'gemma3')
+# Gemma's sliding layers when config.json has no layer_types: all but every n-th (HF's
+# sliding_window_pattern; Gemma 2 alternates, its first layer sliding)
+_SLIDING_PATTERN = {'gemma2': 2, 'gemma3': 6}
 
 # config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's and vLLM's names);
 # the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
@@ -74,20 +80,49 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE on q and k (SmolLM3's NoPE layers: False); (): every layer
     sliding_window: int | None = None   # each token attends to at most this many (itself included); None: all
     moe: MoeConfig | None = None        # the experts of Mixtral, Qwen2-MoE, Qwen3-MoE; None: dense MLPs
+    # Gemma's switches (HF's Gemma2/Gemma3 modeling); the defaults are Llama's
+    norm_offset: float = 0.0            # every RMSNorm scales by (norm_offset + weight): Gemma's 1 + w
+    sandwich_norms: bool = False        # RMSNorm on the attention's and the MLP's outputs too
+    mlp_activation: str = 'silu'        # the gated MLP's act(gate) * up: 'silu' or 'gelu_tanh' (GeGLU)
+    embed_scale: float = 1.0            # embeddings times this (Gemma: sqrt(hidden_size), in the model dtype)
+    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim's
+    attn_softcap: float = 0.0           # attention scores -> tanh(s / cap) * cap (Gemma 2); 0: none
+    logit_softcap: float = 0.0          # final logits likewise
+    rope_local_theta: float | None = None  # the sliding layers' own RoPE base, unscaled (Gemma 3); None: one table
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a sliding-window layer: those config.json's ``layer_types`` names
+        ``'sliding_attention'``; without ``layer_types``, every layer (Mistral, Phi-3), Qwen2's from
+        ``max_window_layers`` on, Gemma's all but every ``sliding_window_pattern``-th."""
+        types = self.raw.get('layer_types')
+        if types is not None:
+            return tuple(t == 'sliding_attention' for t in types)
+        if self.family in _SLIDING_PATTERN:
+            pattern = int(self.raw.get('sliding_window_pattern') or _SLIDING_PATTERN[self.family])
+            return tuple((i + 1) % pattern != 0 for i in range(self.num_layers))
+        first = self.raw.get('max_window_layers', 0) if self.family == 'qwen2' else 0
+        return tuple(i >= first for i in range(self.num_layers))
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
         """Per layer, the sliding window of its attention (a query attends to its last ``w`` tokens,
         itself included, as HF masks ``kv > q - w``), or 0 for full attention: ``sliding_window`` on the
-        layers config.json's ``layer_types`` names ``'sliding_attention'``; without ``layer_types``, on
-        every layer (Mistral, Phi-3), Qwen2's from ``max_window_layers`` on."""
+        ``sliding_layers``."""
         window = self.sliding_window or 0
-        types = self.raw.get('layer_types')
-        if types is not None:
-            return tuple(window if t == 'sliding_attention' else 0 for t in types)
-        first = self.raw.get('max_window_layers', 0) if self.family == 'qwen2' else 0
-        return tuple(window if i >= first else 0 for i in range(self.num_layers))
+        return tuple(window if s else 0 for s in self.sliding_layers)
+
+    @property
+    def local_rope_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it rotates by the local table (``rope_local_theta``: Gemma 3's sliding
+        layers) rather than the model's; () where there is one table."""
+        return self.sliding_layers if self.rope_local_theta is not None else ()
+
+    @property
+    def attention_scale(self) -> float:
+        """What q · k is multiplied by before the softmax (and the soft-cap)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_window(self) -> int:
@@ -132,6 +167,10 @@ class ModelConfig:
             rope_scaling = cfg.get('rope_scaling') or None
             rope_theta = cfg.get('rope_theta')
             rope_params = cfg.get('rope_parameters')  # transformers >= 5 nests rope settings here
+            local_theta = cfg.get('rope_local_base_freq', 10000.0) if family == 'gemma3' else None
+            if isinstance(rope_params, dict) and 'full_attention' in rope_params:  # per layer type (Gemma 3)
+                local_theta = rope_params.get('sliding_attention', {}).get('rope_theta', local_theta)
+                rope_params = rope_params['full_attention']
             if isinstance(rope_params, dict):
                 rope_theta = rope_theta or rope_params.get('rope_theta')
                 if rope_scaling is None and rope_params.get('rope_type', 'default') != 'default':
@@ -151,9 +190,9 @@ class ModelConfig:
                 rope_theta=float(rope_theta or 10000.0),
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
-                tie_word_embeddings=bool(cfg.get('tie_word_embeddings', False)),
+                tie_word_embeddings=bool(cfg.get('tie_word_embeddings', family in _GEMMA)),
                 attention_bias=bool(cfg.get('attention_bias', cfg.get('qkv_bias', family in ('qwen2', 'qwen2_moe')))),
-                qk_norm=family in ('qwen3', 'qwen3_moe'),
+                qk_norm=family in ('qwen3', 'qwen3_moe', 'gemma3'),
                 bos_token_id=cfg.get('bos_token_id'),
                 eos_token_ids=eos_ids,
                 torch_dtype=dtype if dtype in ('float32', 'bfloat16', 'float16') else 'float32',
@@ -162,6 +201,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(cfg, family),
                 moe=_moe_config(cfg, family),
                 raw=dict(cfg),
+                **(_gemma_fields(cfg, family, hidden, local_theta) if family in _GEMMA else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f'{where}: malformed model config ({type(e).__name__}: {e})') from None
@@ -202,6 +242,20 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
     if family in _WINDOW_SWITCHED and not cfg.get('use_sliding_window', False):
         return None
     return int(window) if window else None
+
+
+def _gemma_fields(cfg: dict, family: str, hidden: int, local_theta: float | None) -> dict:
+    """Gemma's ``ModelConfig`` switches as HF's Gemma2/Gemma3 read them (a soft-cap missing from
+    config.json takes HF's default: Gemma 2 caps, Gemma 3 does not)."""
+    act = cfg.get('hidden_activation') or cfg.get('hidden_act') or 'gelu_pytorch_tanh'
+    if act not in ('gelu_pytorch_tanh', 'gelu_tanh'):
+        raise ValueError(f'hidden_activation {act!r} is not supported: Gemma runs GeGLU (gelu_pytorch_tanh)')
+    caps = (50.0, 30.0) if family == 'gemma2' else (None, None)
+    return dict(norm_offset=1.0, sandwich_norms=True, mlp_activation='gelu_tanh', embed_scale=hidden ** 0.5,
+                query_pre_attn_scalar=float(cfg.get('query_pre_attn_scalar', 256)),
+                attn_softcap=float(cfg.get('attn_logit_softcapping', caps[0]) or 0.0),
+                logit_softcap=float(cfg.get('final_logit_softcapping', caps[1]) or 0.0),
+                rope_local_theta=None if local_theta is None else float(local_theta))
 
 
 _MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')

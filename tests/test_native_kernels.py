@@ -120,15 +120,17 @@ def test_paged_decode_attention(context_lens, block_size, num_heads, num_kv_head
     torch.testing.assert_close(ref, want, **TOL[dtype])
 
 
-def window_attention(q, k, v, tables, context_lens, block_size, scale, window):
-    """float32 attention of each query over its last ``window`` cached tokens (k, v float caches)."""
+def window_attention(q, k, v, tables, context_lens, block_size, scale, window, softcap=0.0):
+    """float32 attention of each query over its last ``window`` cached tokens (k, v float caches), the
+    scaled scores soft-capped where ``softcap`` > 0."""
     group = q.shape[1] // k.shape[2]
     out = torch.empty(q.shape)
     for b, n in enumerate(context_lens):
         first = max(0, n - window)
         slots = [int(tables[b, t // block_size]) * block_size + t % block_size for t in range(first, n)]
         kb, vb = (c.reshape(-1, *c.shape[2:])[slots].float().repeat_interleave(group, 1) for c in (k, v))
-        p = torch.softmax(torch.einsum('hd,thd->ht', q[b].float(), kb) * scale, -1)
+        s = torch.einsum('hd,thd->ht', q[b].float(), kb) * scale
+        p = torch.softmax(torch.tanh(s / softcap) * softcap if softcap else s, -1)
         out[b] = torch.einsum('ht,thd->hd', p, vb)
     return out
 
@@ -139,6 +141,19 @@ def window_attention(q, k, v, tables, context_lens, block_size, scale, window):
 def test_paged_decode_attention_over_a_sliding_window(window, bits, dtype):
     """A sliding-window layer's queries read their last ``window`` tokens only (the first one mid-block);
     the blocks wholly before that may already be freed: their table entries are -1, never read."""
+    check_window_attention(window, bits, dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window', [5, 1000])
+@pytest.mark.parametrize('bits', [0, 8, 4])
+def test_paged_decode_attention_softcapped(window, bits, dtype):
+    """Gemma 2's soft-capped scores, tanh(s / cap) * cap, with and without a window."""
+    check_window_attention(window, bits, dtype, softcap=1.5)
+
+
+def check_window_attention(window: int, bits: int, dtype: torch.dtype, softcap: float = 0.0) -> None:
+    """The kernel (AVX2 and scalar) against ``window_attention`` on a float or ``bits``-quantized cache."""
     from test_kv_quant import dequantize, empty_cache, pack, quantize_rows
     context_lens, block_size, num_heads, num_kv_heads, head_dim = [3, 64, 100, 41], 16, 6, 2, 64
     ctx, k_cache, v_cache = make_decode_ctx(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=window)
@@ -160,11 +175,12 @@ def test_paged_decode_attention_over_a_sliding_window(window, bits, dtype):
         caches = (kc, vc)
     else:
         caches = (k_cache, v_cache)
-    want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, scale, window)
+    want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, scale, window, softcap)
     for reference in (False, True):
         got = torch.empty_like(q)
         ops.paged_decode_attention(dl(q), dl(caches[0]), dl(caches[1]), dl(tables), lens, scale, dl(got),
-                                   reference=reference, window=window, **{k: v for k, v in quant.items()})
+                                   reference=reference, window=window, softcap=softcap,
+                                   **{k: v for k, v in quant.items()})
         tol = TOL[torch.float32] if dtype == torch.float32 else TOL[dtype]
         torch.testing.assert_close(got.float(), want, **tol)
 

@@ -16,6 +16,7 @@ context unless asked for more.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -133,9 +134,12 @@ def _yarn_inv_freq(p: dict, base: float, dim: int, config: ModelConfig) -> tuple
 
 
 def build_cos_sin_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                        session_len: int | None = None) -> torch.Tensor:
+                        session_len: int | None = None, local: bool = False) -> torch.Tensor:
     """The table for sequences up to ``session_len`` (``compute_inv_freq``), a row per position of the
-    model's context."""
+    model's context; ``local``: the sliding layers' own (``ModelConfig.rope_local_theta``, unscaled:
+    Gemma 3)."""
+    if local:
+        config = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
     inv_freq, scale = compute_inv_freq(config, session_len)
     max_positions = min(config.max_position_embeddings, MAX_CACHED_POSITIONS)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

@@ -68,6 +68,22 @@ def _matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             'mlp.gate_proj': (I, H), 'mlp.up_proj': (I, H), 'mlp.gate_up_proj': (2 * I, H), 'mlp.down_proj': (H, I)}
 
 
+def layer_norms(config: ModelConfig) -> dict[str, str]:
+    """A decoder layer's RMSNorms over H: our name -> HF's, under model.layers.{i}. ``post_norm`` is the
+    one before the MLP; Gemma's sandwich adds one on the attention's output and one on the MLP's."""
+    if not config.sandwich_norms:
+        return {'input_norm': 'input_layernorm', 'post_norm': 'post_attention_layernorm'}
+    return {'input_norm': 'input_layernorm', 'attn_out_norm': 'post_attention_layernorm',
+            'post_norm': 'pre_feedforward_layernorm', 'mlp_out_norm': 'post_feedforward_layernorm'}
+
+
+def norm_weight(config: ModelConfig, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An RMSNorm's weight as the kernels scale by it: Gemma's (1 + w), summed in float32 as HF does."""
+    if not config.norm_offset:
+        return weight.to(dtype).contiguous()
+    return (weight.float() + config.norm_offset).to(dtype).contiguous()
+
+
 def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """HF tensor name -> shape for every tensor the model needs, and the set of names
     that may be present but are not required (tied lm_head)."""
@@ -87,8 +103,8 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
     shapes['lm_head.weight'] = (config.vocab_size, H)
     for n in range(config.num_layers):
         p = f'model.layers.{n}.'
-        shapes[p + 'input_layernorm.weight'] = (H,)
-        shapes[p + 'post_attention_layernorm.weight'] = (H,)
+        for hf_name in layer_norms(config).values():
+            shapes[f'{p}{hf_name}.weight'] = (H,)
         for fused, parts in layer_matmuls(config).items():
             if fused in ('gate_up', 'down') and config.is_sparse(n):
                 continue  # a mixture of experts instead (lmd.weights.moe)
@@ -233,8 +249,13 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
             raise ModelFormatError(f'{config.architecture}: {", ".join(parts)} mix quantized formats or group '
                                    f'sizes without float weights to fall back on; TurboMind fuses them into {name}')
 
-    out = {'embed': get('model.embed_tokens.weight'), 'norm': get('model.norm.weight'),
+    def norm(name: str) -> torch.Tensor | None:
+        return norm_weight(config, weights[name], dtype) if name in weights else None
+
+    out = {'embed': get('model.embed_tokens.weight'), 'norm': norm('model.norm.weight'),
            'cos_sin': build_cos_sin_cache(config, dtype, 'cpu')}
+    if config.local_rope_layers:
+        out['cos_sin_local'] = build_cos_sin_cache(config, dtype, 'cpu', local=True)
     if 'lm_head.weight' in quantized:
         linear('lm_head', ['lm_head.weight'], ['lm_head.bias'])
     else:
@@ -244,12 +265,12 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
 
     for n in range(config.num_layers):
         p, q = f'model.layers.{n}.', f'layers.{n}.'
-        out[q + 'input_norm'] = get(p + 'input_layernorm.weight')
+        for ours, hf_name in layer_norms(config).items():
+            out[q + ours] = norm(f'{p}{hf_name}.weight')
         matmul(n, 'qkv')
-        out[q + 'q_norm'] = get(p + 'self_attn.q_norm.weight')
-        out[q + 'k_norm'] = get(p + 'self_attn.k_norm.weight')
+        out[q + 'q_norm'] = norm(p + 'self_attn.q_norm.weight')
+        out[q + 'k_norm'] = norm(p + 'self_attn.k_norm.weight')
         matmul(n, 'o')
-        out[q + 'post_norm'] = get(p + 'post_attention_layernorm.weight')
         if config.is_sparse(n):
             out.update(fuse_moe(config, weights, n, dtype))
         else:

@@ -42,7 +42,8 @@ class Kernels:
     silu_and_mul: Callable      # (x[T, 2I]) -> [T, I]
     # The three cache kernels take k_params=, v_params= too: a quantized cache (torch_ops' docstring).
     fill_kv_cache: Callable     # (k, v[T, Hk, D], k_cache, v_cache, slot_mapping[T]) -> None
-    paged_attention: Callable   # (q[T, Hq, D], k_cache, v_cache, ctx, scale, window=0) -> [T, Hq, D]
+    # (q[T, Hq, D], k_cache, v_cache, ctx, scale, window=0, softcap=0.0) -> [T, Hq, D]
+    paged_attention: Callable
     # (x[T, H], residual[T, H], weight[H], eps) -> rms_norm(residual += x)
     add_rms_norm: Callable = torch_ops.add_rms_norm
     # (qkv[T, (Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping, Hq, Hk) -> rotated q[T, Hq, D]
@@ -50,6 +51,7 @@ class Kernels:
     # (weight[N, K] or a quantized tuple (lmd.weights.quant_layouts: W4A16, W8A8), bias[N] | None) -> params
     prepare_linear: Callable = torch_ops.prepare_linear
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
+    gelu_tanh_and_mul: Callable = torch_ops.gelu_tanh_and_mul  # (x[T, 2I]) -> [T, I] (GeGLU: Gemma)
     # (x[T, H], gate_up[E, 2I, H], down[E, H, I], topk_weights[T, k], topk_ids[T, k]) -> [T, H]: routed experts
     moe: Callable = torch_ops.moe
     set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels

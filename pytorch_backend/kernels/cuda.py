@@ -192,13 +192,13 @@ def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode rows read their own table; prefill rows (as native.py) are queries over their visible
     context, sharing their sequence's table through row_seqs. Float or quantized cache; with a
-    window, each row's last ``window`` tokens."""
-    if q.dim() != 3 or q.dtype not in _DTYPES or not _attention_supports(q.shape[-1]):
+    window, each row's last ``window`` tokens. Soft-capped scores (Gemma 2): torch's, not in the kernel yet."""
+    if q.dim() != 3 or q.dtype not in _DTYPES or not _attention_supports(q.shape[-1]) or softcap:
         return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params,
-                                         window=window)
+                                         window=window, softcap=softcap)
     if ctx.is_decode:
         return _attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, None, scale, k_params, v_params,
                           window)

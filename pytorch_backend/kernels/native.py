@@ -84,12 +84,13 @@ def linear(x: torch.Tensor, p) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     if q.dtype not in _DTYPES:
         return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params,
-                                         window=window)
+                                         window=window, softcap=softcap)
     params = {} if k_params is None else dict(k_params=to_dlpack(k_params), v_params=to_dlpack(v_params))
     params['window'] = window
+    params['softcap'] = softcap
     if ctx.is_decode:
         return _decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, params)
     # Prefill chunks too: each new token is a query over its own visible context (the

@@ -136,6 +136,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (GeGLU: HF's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate='tanh').mul_(up)
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts as grouped matmuls: x[T, H], the experts' gate_up [E, 2I, H] and down
@@ -229,13 +235,14 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of the new tokens q[T, Hq, D] over each sequence's whole cached context.
 
     The new tokens of sequence i sit at positions context_len_i - query_len_i ...
     context_len_i - 1 and see every cached token at or before their own position (with
     ``window`` > 0, a sliding-window layer: the last ``window`` of them, itself included; the
-    table's blocks wholly before every query's window are not read).
+    table's blocks wholly before every query's window are not read). ``softcap`` > 0: each scaled
+    score s becomes tanh(s / softcap) * softcap before the softmax (Gemma 2).
     Returns [T, Hq, D] in q's dtype; scores and softmax run in float32 for
     half-precision inputs (as HF eager does). A quantized cache (k_params, v_params)
     is read through a dequantized copy of the blocks the step uses.
@@ -243,12 +250,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_params is not None:
         k_cache, v_cache, ctx = _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx)
     if ctx.is_decode and not window:
-        return _decode_attention(q, k_cache, v_cache, ctx, scale)
+        return _decode_attention(q, k_cache, v_cache, ctx, scale, softcap)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
         out[start:start + q_len] = attend_one(q[start:start + q_len], k_cache, v_cache, ctx.block_tables[i],
-                                              ctx_len, scale, window)
+                                              ctx_len, scale, window, softcap)
         start += q_len
     return out
 
@@ -263,35 +270,55 @@ def _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx: StepContex
 
 
 def attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-               context_len: int, scale: float, window: int = 0) -> torch.Tensor:
+               context_len: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's new tokens q[Lq, Hq, D], the last Lq of its context_len cached tokens (with a
     window, read from the first block any of them sees)."""
     first = max(0, context_len - q.shape[0] + 1 - window) // k_cache.shape[1] if window else 0
     k = _gather_context(k_cache, block_table, context_len, first)
     v = _gather_context(v_cache, block_table, context_len, first)
-    return _prefill_one(q, k, v, scale, window)
+    return _prefill_one(q, k, v, scale, window, softcap)
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
     """q[Lq, Hq, D] against k, v[Lk, Hk, D]: the queries are the last Lq of the Lk positions; with a
     window, each sees its last ``window`` positions only."""
     q_len, num_heads, _ = q.shape
     ctx_len, num_kv_heads, _ = k.shape
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_heads != num_kv_heads
-    if q_len == ctx_len and not window:
+    if q_len == ctx_len and not window and not softcap:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # bottom-right aligned causal mask: query j sits at position ctx_len - q_len + j
         qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
         kpos = torch.arange(ctx_len, device=q.device)[None, :]
         mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if softcap:
+            out = _softcapped_attention(qh, kh, vh, mask, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
 
 
+def _softcapped_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """SDPA over qh[Hq, Lq, D], kh, vh[Hk, Lk, D] with the scaled scores soft-capped before the mask
+    (HF Gemma 2 eager), in float32."""
+    group = qh.shape[0] // kh.shape[0]
+    kh, vh = kh.repeat_interleave(group, 0).float(), vh.repeat_interleave(group, 0).float()
+    scores = _softcapped(torch.matmul(qh.float(), kh.transpose(1, 2)).mul_(scale), softcap)
+    probs = torch.softmax(scores.masked_fill_(~mask, float('-inf')), dim=-1)
+    return torch.matmul(probs, vh).to(qh.dtype)
+
+
+def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """tanh(s / softcap) * softcap in place; scores as they are where softcap is 0."""
+    return scores.div_(softcap).tanh_().mul_(softcap) if softcap else scores
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      ctx: StepContext, scale: float) -> torch.Tensor:
+                      ctx: StepContext, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence. The B contexts are gathered padded to the longest and masked;
     GQA groups the query heads of one KV head so K/V are never repeated."""
     batch, num_heads, head_dim = q.shape
@@ -307,7 +334,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v = v_cache.index_select(0, table).flatten(0, 1)[:max_len].transpose(0, 1)
         qg = q.view(num_kv_heads, group, head_dim)
         scores = torch.matmul(qg, k.transpose(1, 2))            # [Hk, G, L]
-        probs = _softmax(scores, scale, q.dtype)
+        probs = _softmax(scores, scale, q.dtype, softcap)
         return torch.matmul(probs, v).view(1, num_heads, head_dim)
     # k: [B, Hk, L, D]
     flat = table.flatten()
@@ -316,15 +343,19 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     v = v_cache.index_select(0, flat).view(gathered)[:, :max_len].transpose(1, 2)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(2, 3))                 # [B, Hk, G, L]
+    pad = None
     if min(ctx.context_lens_list) < max_len:
         lens = ctx.context_lens.to(device=q.device, dtype=torch.long)
-        pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float('-inf'))
-    probs = _softmax(scores, scale, q.dtype)
+        pad = (torch.arange(max_len, device=q.device)[None, :] >= lens[:, None])[:, None, None, :]
+    probs = _softmax(scores, scale, q.dtype, softcap, pad)
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)
 
 
-def _softmax(scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    if scores.dtype == torch.float32:
-        return torch.softmax(scores.mul_(scale), dim=-1)
-    return torch.softmax(scores.float().mul_(scale), dim=-1).to(dtype)
+def _softmax(scores: torch.Tensor, scale: float, dtype: torch.dtype, softcap: float = 0.0,
+             pad: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the last dim of the scaled (and soft-capped) scores, in float32; ``pad``: positions
+    left out."""
+    s = _softcapped(scores.float().mul_(scale) if scores.dtype != torch.float32 else scores.mul_(scale), softcap)
+    if pad is not None:
+        s.masked_fill_(pad, float('-inf'))
+    return torch.softmax(s, dim=-1).to(dtype)

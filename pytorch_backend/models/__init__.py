@@ -17,6 +17,8 @@ MODEL_CLASSES = {
     'qwen3': CausalLM,
     'smollm3': CausalLM,
     'phi3': CausalLM,
+    'gemma2': CausalLM,
+    'gemma3': CausalLM,
     # the same decoder with mixtures of experts for MLPs (moe.py)
     'mixtral': MoeCausalLM,
     'qwen2_moe': MoeCausalLM,

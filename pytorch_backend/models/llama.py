@@ -1,5 +1,5 @@
 """The Llama family in plain torch: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2, Qwen3,
-SmolLM3, Phi-3.
+SmolLM3, Phi-3, Gemma 2 and Gemma 3.
 
 They differ only in small switches read from ``ModelConfig``:
 - Qwen2 has biases on q/k/v (``attention_bias``);
@@ -9,7 +9,11 @@ They differ only in small switches read from ``ModelConfig``:
   (``mlp_bias``); Llama-3 and others scale RoPE (``lmd.weights.rope``);
 - SmolLM3 leaves RoPE out of some layers (``ModelConfig.uses_rope``);
 - Phi-3 stores q/k/v and gate/up fused already (``schema.layer_matmuls``) and scales RoPE by
-  LongRoPE, whose factors depend on the session length (``build_rope``).
+  LongRoPE, whose factors depend on the session length (``build_rope``);
+- Gemma scales its embeddings (``embed_scale``), norms by (1 + w) (``schema.norm_weight``), norms the
+  attention's and the MLP's outputs too (``sandwich_norms``), runs GeGLU, scales scores by
+  ``query_pre_attn_scalar``; Gemma 2 soft-caps scores and logits, Gemma 3 normalises q and k like
+  Qwen3 and rotates its sliding layers by a table of their own (``local_rope_layers``).
 
 Weights load from HF names and are fused at load as the weights layer says
 (``lmd.weights.schema``: q/k/v into one ``qkv`` [(Hq + 2 Hk) * D, H], gate/up into one
@@ -33,7 +37,8 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 from lmd.weights.memory import kv_block_bytes
 from lmd.weights.rope import build_cos_sin_cache
-from lmd.weights.schema import check_quantized_weights, fuse_quantized, matmul_parts, quant_format
+from lmd.weights.schema import (check_quantized_weights, fuse_quantized, layer_norms, matmul_parts, norm_weight,
+                                quant_format)
 
 from ..context import StepContext
 from ..kernels import Kernels, get_kernels, prepare_matmul
@@ -55,6 +60,9 @@ class DecoderLayer:
     down_weight: torch.Tensor | tuple  # [H, I]
     down_bias: torch.Tensor | None    # [H]
     rope: bool = True                 # q and k rotated (SmolLM3's NoPE layers: False)
+    local_rope: bool = False          # rotated by the sliding layers' own table (Gemma 3)
+    attn_out_norm: torch.Tensor | None = None  # [H] on the attention's output (Gemma)
+    mlp_out_norm: torch.Tensor | None = None   # [H] on the MLP's output (Gemma)
     window: int = 0                   # sliding window: a query reads its last `window` tokens; 0: all
     # a mixture of experts in place of gate_up / down (models/moe.py; their weights None then)
     moe: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -93,7 +101,11 @@ class CausalLM:
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.softcap = config.attn_softcap
+        # HF multiplies by sqrt(H) rounded to the model dtype
+        self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype,
+                                                                                device=self.device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -102,6 +114,9 @@ class CausalLM:
 
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in weights else None
+
+        def norm(name: str) -> torch.Tensor | None:
+            return norm_weight(config, weights[name], dtype).to(self.device) if name in weights else None
 
         def on_device(q: tuple) -> tuple:
             return tuple(t.to(self.device) for t in q)
@@ -119,7 +134,7 @@ class CausalLM:
             return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
 
         self.embed_tokens = get('model.embed_tokens.weight')
-        self.norm = get('model.norm.weight')
+        self.norm = norm('model.norm.weight')
         # tied models share the embedding (a checkpoint may still carry a copy of it); GPTQ's may quantize it
         self.lm_head = quantized.get('lm_head.weight')
         if self.lm_head is None:
@@ -130,21 +145,22 @@ class CausalLM:
         for n in range(config.num_layers):
             p = f'model.layers.{n}.'
             attn, mlp = p + 'self_attn.', p + 'mlp.'
+            norms = {ours: norm(f'{p}{hf_name}.weight') for ours, hf_name in layer_norms(config).items()}
             self.layers.append(DecoderLayer(
-                input_norm=get(p + 'input_layernorm.weight'),
                 qkv_weight=cat(matmul_parts(config, n, 'qkv')),
                 qkv_bias=cat(matmul_parts(config, n, 'qkv', 'bias')),
-                q_norm=maybe(attn + 'q_norm.weight'),
-                k_norm=maybe(attn + 'k_norm.weight'),
+                q_norm=norm(attn + 'q_norm.weight'),
+                k_norm=norm(attn + 'k_norm.weight'),
                 o_weight=cat(matmul_parts(config, n, 'o')),
                 o_bias=maybe(attn + 'o_proj.bias'),
-                post_norm=get(p + 'post_attention_layernorm.weight'),
                 gate_up_weight=cat(matmul_parts(config, n, 'gate_up')),
                 gate_up_bias=cat(matmul_parts(config, n, 'gate_up', 'bias')),
                 down_weight=cat(matmul_parts(config, n, 'down')),
                 down_bias=maybe(mlp + 'down_proj.bias'),
                 rope=config.uses_rope(n),
+                local_rope=bool(config.local_rope_layers and config.local_rope_layers[n]),
                 window=config.layer_windows[n],
+                **norms,
             ))
             self.layers[-1].prepare(self.kernels)
         self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
@@ -152,8 +168,10 @@ class CausalLM:
 
     def build_rope(self, session_len: int | None = None) -> None:
         """The RoPE table for sequences up to ``session_len`` (default: the model's context); LongRoPE
-        picks its factors by it (``lmd.weights.rope``)."""
+        picks its factors by it (``lmd.weights.rope``). Gemma 3's sliding layers read a table of their own."""
         self.cos_sin_cache = build_cos_sin_cache(self.config, self.dtype, self.device, session_len)
+        self.cos_sin_local = (build_cos_sin_cache(self.config, self.dtype, self.device, session_len, local=True)
+                              if self.config.local_rope_layers else None)
 
     # -- KV cache -------------------------------------------------------------------------------
 
@@ -190,14 +208,17 @@ class CausalLM:
         tokens' K/V into ctx.kv_caches at ctx.slot_mapping."""
         kern = self.kernels
         rms_norm, add_rms_norm, linear = kern.rms_norm, kern.add_rms_norm, kern.linear
-        paged_attention, silu_and_mul = kern.paged_attention, kern.silu_and_mul
-        eps, scale, cos_sin = self.eps, self.scale, self.cos_sin_cache
+        paged_attention = kern.paged_attention
+        act_and_mul = kern.silu_and_mul if self.config.mlp_activation == 'silu' else kern.gelu_tanh_and_mul
+        eps, scale, softcap = self.eps, self.scale, self.softcap
         num_tokens = input_ids.shape[0]
         num_heads, num_kv_heads, q_size = self.num_heads, self.num_kv_heads, self.q_size
         slot_mapping = ctx.slot_mapping
 
         # the residual stream is updated in place: add_rms_norm(delta, residual) adds, then normalises
         residual = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
         delta = None
         for layer, cache in zip(self.layers, ctx.kv_caches):
             k_cache, v_cache = cache[0], cache[1]
@@ -208,24 +229,30 @@ class CausalLM:
             else:
                 x = add_rms_norm(delta, residual, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
+            cos_sin = self.cos_sin_local if layer.local_rope else self.cos_sin_cache
             if layer.q_norm is None and layer.rope:
                 q = kern.rope_fill_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
                                       num_kv_heads, **kv_params)
             else:  # Qwen3 normalises q and k per head before RoPE; SmolLM3's NoPE layers skip it
-                q = self._split_rope_fill(layer, qkv, positions, k_cache, v_cache, slot_mapping, kv_params)
-            o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, **kv_params)
+                q = self._split_rope_fill(layer, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                          kv_params)
+            o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, softcap=softcap, **kv_params)
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
+            if layer.attn_out_norm is not None:
+                delta = rms_norm(delta, layer.attn_out_norm, eps)
             # MLP block
             x = add_rms_norm(delta, residual, layer.post_norm, eps)
             if layer.moe is None:
-                delta = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+                delta = linear(act_and_mul(linear(x, layer.gate_up)), layer.down)
             else:
                 delta = layer.moe(x)
+            if layer.mlp_out_norm is not None:
+                delta = rms_norm(delta, layer.mlp_out_norm, eps)
         return add_rms_norm(delta, residual, self.norm, eps)
 
     def _split_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         kv_params: dict) -> torch.Tensor:
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_params: dict) -> torch.Tensor:
         """rope_fill_kv step by step: q and k normalised per head (q_norm), then rotated (rope)."""
         kern = self.kernels
         num_tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
@@ -236,7 +263,7 @@ class CausalLM:
             q = kern.rms_norm(q, layer.q_norm, self.eps)
             k = kern.rms_norm(k, layer.k_norm, self.eps)
         if layer.rope:
-            q, k = kern.apply_rotary(q, k, positions, self.cos_sin_cache)
+            q, k = kern.apply_rotary(q, k, positions, cos_sin)
         kern.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, **kv_params)
         return q.contiguous()  # a view into qkv where nothing touched it
 
@@ -244,5 +271,7 @@ class CausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (already normed by forward) -> float32 logits [N, vocab]."""
-        return self.kernels.linear(hidden, self.lm_head_params).float()
+        """hidden [N, H] (already normed by forward) -> float32 logits [N, vocab] (soft-capped: Gemma 2)."""
+        logits = self.kernels.linear(hidden, self.lm_head_params).float()
+        cap = self.config.logit_softcap
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits

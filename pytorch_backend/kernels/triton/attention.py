@@ -54,9 +54,10 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_len_ptr, out_ptr,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    ctx: StepContext, scale: float, window: int = 0) -> torch.Tensor:
-    if not ctx.is_decode or window:  # prefill chunks, and sliding-window layers (no window here yet): torch
-        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, window=window)
+                    ctx: StepContext, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    # prefill chunks, sliding-window and soft-capped layers (neither here yet): torch
+    if not ctx.is_decode or window or softcap:
+        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, window=window, softcap=softcap)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1

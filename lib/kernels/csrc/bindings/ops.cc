@@ -42,7 +42,7 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
 
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
                             float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h,
-                            int64_t window) {
+                            int64_t window, float softcap) {
     const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
     const TensorView tables = view_of(tables_h, "block_tables"), lens = view_of(lens_h, "context_lens");
     const TensorView out = view_of(out_h, "out");
@@ -60,6 +60,7 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
     const int32_t * len = lens.ptr<int32_t>();
     const int32_t * table = tables.ptr<int32_t>();
     if (window < 0) fail("window = " + std::to_string(window) + " must be >= 0 (0: the whole context)");
+    if (!(softcap >= 0.f)) fail("softcap = " + std::to_string(softcap) + " must be >= 0 (0: none)");
     const int64_t block_size = kc.size(1), num_blocks = kc.size(0), max_blocks = tables.size(1);
     for (int64_t b = 0; b < q.size(0); ++b) {  // a bad table must be an error, not a wild read
         if (len[b] < 1 || (len[b] + block_size - 1) / block_size > max_blocks) {
@@ -76,7 +77,8 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
         }
     }
     py::gil_scoped_release release;
-    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference, window);
+    cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference, window,
+                                softcap);
 }
 
 void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::handle residual_h, bool reference) {
@@ -130,14 +132,26 @@ void rope_fill_kv(py::handle qkv_h, py::handle pos_h, py::handle cs_h, py::handl
                       reference);
 }
 
-void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
-    const TensorView x = view_of(x_h, "x"), out = view_of(out_h, "out");
+// x [T, 2 I] and out [T, I] checked for the gated activations
+void check_gated(const TensorView & x, const TensorView & out) {
     expect(x.ndim == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && is_float(x.dtype), "x", x,
            "must be a float [T, 2 I] tensor with unit stride in its last dim");
     expect(out.ndim == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
            out.dtype == x.dtype, "out", out, "must be [T, I] with x's dtype");
+}
+
+void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
+    const TensorView x = view_of(x_h, "x"), out = view_of(out_h, "out");
+    check_gated(x, out);
     py::gil_scoped_release release;
     cpu::silu_and_mul(x, out, reference);
+}
+
+void gelu_tanh_and_mul(py::handle x_h, py::handle out_h) {
+    const TensorView x = view_of(x_h, "x"), out = view_of(out_h, "out");
+    check_gated(x, out);
+    py::gil_scoped_release release;
+    cpu::gelu_tanh_and_mul(x, out);
 }
 
 }  // namespace
@@ -164,9 +178,10 @@ void bind_ops(py::module_ & m) {
     ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
             py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
             py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
-            py::arg("window") = 0,
+            py::arg("window") = 0, py::arg("softcap") = 0.f,
             "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens (with window > 0, "
-            "the last window of them only: a sliding-window layer). With k_params and v_params (float32 "
+            "the last window of them only: a sliding-window layer; with softcap > 0, each scaled score s becomes "
+            "tanh(s / softcap) * softcap: Gemma 2). With k_params and v_params (float32 "
             "[num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 [..., D] (8 bits) or "
             "[..., D / 2] (4 bits).");
     ops.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
@@ -180,6 +195,8 @@ void bind_ops(py::module_ & m) {
             "k_params and v_params, k and v are quantized into the cache (see paged_decode_attention).");
     ops.def("silu_and_mul", &silu_and_mul, py::arg("x"), py::arg("out"), py::arg("reference") = false,
             "out[T, I] = silu(x[:, :I]) * x[:, I:].");
+    ops.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, py::arg("x"), py::arg("out"),
+            "out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU: torch's gelu(approximate='tanh')).");
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");

@@ -36,18 +36,20 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 // context_lens: [B] int32 (tokens each query attends to, itself included).
 // window > 0 (a sliding-window layer): each query attends to its last `window` tokens only,
 // [max(0, len - window), len); the table's entries before them are never read (their blocks
-// may have been freed). q, out and the caches share a dtype; scores and softmax run in float32.
+// may have been freed). softcap > 0 (Gemma 2): each scaled score s becomes tanh(s / softcap) * softcap
+// before the softmax. q, out and the caches share a dtype; scores and softmax run in float32.
 // With kv_quant, the caches hold quantized rows (KVQuant, core/tensor.h).
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
                             const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false,
-                            int64_t window = 0);
+                            int64_t window = 0, float softcap = 0.f);
 // The same over query rows of several sequences, each sequence's table given once:
 // block_tables: [S, max_blocks] int32; row_seqs: [B] int32, the table each query row reads.
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & row_seqs,
                             const TensorView & context_lens, float scale, const TensorView & out,
-                            const KVQuant * kv_quant = nullptr, bool reference = false, int64_t window = 0);
+                            const KVQuant * kv_quant = nullptr, bool reference = false, int64_t window = 0,
+                            float softcap = 0.f);
 
 // out[M, H] = rms_norm(x) * w, normalised in float32; with `residual` (same shape as x):
 // residual += x first and the sum is normalised (the pre-norm residual stream).
@@ -68,12 +70,15 @@ void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const Te
 // out[T, I] = silu(x[:, :I]) * x[:, I:].
 void silu_and_mul(const TensorView & x, const TensorView & out, bool reference = false);
 
+// out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU: Gemma's gelu_pytorch_tanh); scalar only.
+void gelu_tanh_and_mul(const TensorView & x, const TensorView & out);
+
 namespace ref {
 void linear_rows(const TensorView & x, const TensorView & w, const TensorView * bias, const TensorView & y,
                  int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
+                           float softcap, const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
                            int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
@@ -82,6 +87,7 @@ void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, cons
                       const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
                       int64_t t);
 void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);
+void gelu_tanh_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);
 }  // namespace ref
 
 namespace avx2 {
@@ -90,11 +96,13 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
                  const TensorView & y, int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch);
+                           float softcap, const TensorView & out, int64_t b, int64_t first, int64_t kv_head,
+                           float * scratch);
 // the same over a quantized cache (kv_quant_avx2.cc); head_dim a multiple of 8
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                                 const TensorView & out, const KVQuant & kv_quant, int64_t b, int64_t first,
+                                 float softcap, const TensorView & out, const KVQuant & kv_quant, int64_t b,
+                                 int64_t first,
                                  int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);

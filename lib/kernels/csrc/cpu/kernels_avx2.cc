@@ -105,7 +105,7 @@ void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const Ten
 // sizes: q and the output accumulators then live in registers), 0 for any other.
 template <typename T, int NV>
 void decode_attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                        const TensorView & block_tables, const TensorView & context_lens, float scale,
+                        const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                         const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -146,6 +146,9 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             for (; t < tn; ++t) s[t0 - first + t] = hsum(dot(kb + t * row));
             t0 += tn;
         }
+        if (softcap > 0.f) {  // tanh(s / cap) * cap (Gemma 2)
+            for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
+        }
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         float max_s = -INFINITY;
         int64_t t = 0;
@@ -179,12 +182,12 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
 
 template <typename T>
 void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                        const TensorView & block_tables, const TensorView & context_lens, float scale,
+                        const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                         const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
-        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
-        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
     }
 }
 
@@ -277,12 +280,12 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
 }
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                           const TensorView & block_tables, const TensorView & context_lens, float scale,
+                           const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                            const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
-        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
-        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, first, kv_head, scratch); break;
+        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
         default: break;
     }
 }

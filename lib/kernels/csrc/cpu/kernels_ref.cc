@@ -24,7 +24,7 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
+                           float softcap, const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
                            int64_t kv_head, float * scores) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -50,7 +50,7 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
         for (int64_t t = first; t < len; ++t) {
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += load_f32(q.data, q_off + d, q.dtype) * load(k_cache, kp, t, d);
-            scores[t - first] = s * scale;
+            scores[t - first] = softcap > 0.f ? softcap * std::tanh(s * scale / softcap) : s * scale;
             max_s = std::fmax(max_s, scores[t - first]);
         }
         float sum = 0.f;
@@ -158,6 +158,17 @@ void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m) {
     for (int64_t i = 0; i < I; ++i) {
         const float g = load_f32(x.data, m * x.stride(0) + i, dt), u = load_f32(x.data, m * x.stride(0) + I + i, dt);
         store_f32(out.data, m * out.stride(0) + i, dt, g / (1.f + std::exp(-g)) * u);
+    }
+}
+
+void gelu_tanh_and_mul_row(const TensorView & x, const TensorView & out, int64_t m) {
+    const int64_t I = out.size(1);
+    const DType dt = x.dtype;
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    for (int64_t i = 0; i < I; ++i) {
+        const float g = load_f32(x.data, m * x.stride(0) + i, dt), u = load_f32(x.data, m * x.stride(0) + I + i, dt);
+        const float gelu = 0.5f * g * (1.f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+        store_f32(out.data, m * out.stride(0) + i, dt, gelu * u);
     }
 }
 

@@ -39,7 +39,7 @@ inline __m256 load_codes<4>(const uint8_t * row, int64_t i) {
 // As decode_attention_t in kernels_avx2.cc: one sequence, one KV head and its query heads.
 template <typename T, int BITS, int NV>
 void attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                 const TensorView & block_tables, const TensorView & context_lens, float scale,
+                 const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                  const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -86,6 +86,7 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
         for (t = first; t < len; ++t) {
             const float * p = kp + row_of(t) * 2;
             s[t - first] = s[t - first] * p[0] + p[1] * qsum;
+            if (softcap > 0.f) s[t - first] = softcap * std::tanh(s[t - first] / softcap);  // Gemma 2
             max_s = std::fmax(max_s, s[t - first]);
         }
         const float sum = exp_shifted(s, len - first, max_s);
@@ -109,36 +110,36 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
 
 template <typename T, int BITS>
 void attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                 const TensorView & block_tables, const TensorView & context_lens, float scale,
+                 const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                  const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
-        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
-        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
     }
 }
 
 template <typename T>
 void attention_bits(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                    const TensorView & block_tables, const TensorView & context_lens, float scale,
+                    const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                     const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     if (kvq.bits == 8) {
-        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch);
+        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch);
     } else {
-        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch);
+        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch);
     }
 }
 
 }  // namespace
 
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
-                                 const TensorView & block_tables, const TensorView & context_lens, float scale,
+                                 const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
                                  const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first,
                                  int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
-        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
-        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, out, kvq, b, first, kv_head, scratch); break;
+        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
         default: break;
     }
 }
