@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 
 from lmd.engine import SamplingParams
-from lmd.messages import PytorchEngineConfig
+from lmd.messages import PytorchEngineConfig, TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.pytorch_backend import PytorchEngine
-from test_families import IDS, engine_logits, tokens
+from lmd.turbomind.engine import TurbomindEngine
+from test_families import ENGINES, IDS, engine_logits, tokens
 from test_models import hf_logits
 from test_pytorch_engine import generate, hf_greedy
 from tiny_models import tiny_hf_model
@@ -30,7 +31,6 @@ FAMILIES = {
                dict(GEMMA, num_hidden_layers=4, sliding_window_pattern=2, rope_theta=1e6,
                     rope_local_base_freq=100.0, rope_scaling={'rope_type': 'linear', 'factor': 4.0})),
 }
-ENGINES = ('pytorch',)
 
 
 def make(family: str):
@@ -75,9 +75,11 @@ def test_greedy_matches_hf(tmp_path, engine, family):
     hf_model, _, _ = make(family)
     hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
     prompts = [tokens(n, seed=n) for n in (5, 37)]
-    config = PytorchEngineConfig(dtype='float32', cache_block_seq_len=4, num_cache_blocks=64,
-                                 max_prefill_token_num=16, session_len=128)
-    with PytorchEngine(str(tmp_path), config) as e:
+    cls, cfg = (TurbomindEngine, TurbomindEngineConfig) if engine == 'turbomind' else (PytorchEngine,
+                                                                                       PytorchEngineConfig)
+    config = cfg(dtype='float32', cache_block_seq_len=4, num_cache_blocks=64, max_prefill_token_num=16,
+                 session_len=128)
+    with cls(str(tmp_path), config) as e:
         got, _ = generate(e, prompts, SamplingParams(max_new_tokens=32))
     assert got == [hf_greedy(hf_model, p, 32) for p in prompts]
 

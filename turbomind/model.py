@@ -130,7 +130,10 @@ class TurbomindModel:
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
                    qk_norm=config.qk_norm, int8_activations=int8_activations,
                    use_rope=[config.uses_rope(n) for n in range(config.num_layers)],
-                   windows=list(config.layer_windows))
+                   windows=list(config.layer_windows), attn_scale=config.attention_scale,
+                   attn_softcap=config.attn_softcap, logit_softcap=config.logit_softcap,
+                   embed_scale=0.0 if config.embed_scale == 1.0 else config.embed_scale,
+                   gelu=config.mlp_activation == 'gelu_tanh', local_rope=list(config.local_rope_layers))
         if config.moe is not None:
             cfg['moe'] = _moe_config(config)
         self.int8_activations = int8_activations

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -56,6 +57,16 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         if (w < 0) fail("windows: a layer's sliding window must be >= 0 (0: full attention), got " + std::to_string(w));
     }
     c.int8_activations = cfg.contains("int8_activations") && cfg["int8_activations"].cast<bool>();
+    auto get_float = [&](const char * key) { return cfg.contains(key) ? cfg[key].cast<float>() : 0.f; };
+    c.attn_scale = get_float("attn_scale");
+    c.attn_softcap = get_float("attn_softcap");
+    c.logit_softcap = get_float("logit_softcap");
+    c.embed_scale = get_float("embed_scale");
+    if (c.attn_scale < 0.f || c.attn_softcap < 0.f || c.logit_softcap < 0.f || c.embed_scale < 0.f) {
+        fail("LlamaModel config: attn_scale, attn_softcap, logit_softcap and embed_scale must be >= 0 (0: none)");
+    }
+    c.gelu = cfg.contains("gelu") && cfg["gelu"].cast<bool>();
+    if (cfg.contains("local_rope")) c.local_rope = cfg["local_rope"].cast<std::vector<bool>>();
     if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
     const DType dt = parse_dtype(dtype_name_);
     auto result = std::make_unique<PyLlamaModel>();
@@ -257,6 +268,10 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
                w.cos_sin.size(1) % 2 == 0, "cos_sin", w.cos_sin, "expected [max_position, rot] with even rot <= head_dim");
         result->owners.append(obj);
     }
+    const bool any_local = std::find(c.local_rope.begin(), c.local_rope.end(), true) != c.local_rope.end();
+    if (any_local) {
+        w.cos_sin_local = take("cos_sin_local", {w.cos_sin.size(0), w.cos_sin.size(1)}, true);
+    }
     for (int64_t l = 0; l < c.num_layers; ++l) {
         const std::string p = "layers." + std::to_string(l) + ".";
         LlamaLayerWeights lw;
@@ -266,6 +281,8 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         lw.k_norm = take(p + "k_norm", {D}, c.qk_norm);
         lw.o = linear(p + "o", H, c.num_heads * D);
         lw.post_norm = take(p + "post_norm", {H}, true);
+        lw.attn_out_norm = take(p + "attn_out_norm", {H}, false);
+        lw.mlp_out_norm = take(p + "mlp_out_norm", {H}, false);
         if (sparse[l]) {
             lw.moe = moe(p);
         } else {

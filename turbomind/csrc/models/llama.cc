@@ -123,6 +123,10 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
         throw std::invalid_argument("LlamaModel: use_rope has " + std::to_string(config_.use_rope.size()) +
                                     " flags for " + std::to_string(config_.num_layers) + " layers");
     }
+    if (!config_.local_rope.empty() && static_cast<int64_t>(config_.local_rope.size()) != config_.num_layers) {
+        throw std::invalid_argument("LlamaModel: local_rope has " + std::to_string(config_.local_rope.size()) +
+                                    " flags for " + std::to_string(config_.num_layers) + " layers");
+    }
     if (!config_.windows.empty() && static_cast<int64_t>(config_.windows.size()) != config_.num_layers) {
         throw std::invalid_argument("LlamaModel: windows has " + std::to_string(config_.windows.size()) +
                                     " entries for " + std::to_string(config_.num_layers) + " layers");
@@ -160,7 +164,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
     const int64_t I2 = 2 * c.intermediate_size;
     const size_t es = dtype_size(dtype_);
     const float eps = c.rms_norm_eps;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const float scale = c.attn_scale > 0.f ? c.attn_scale : 1.0f / std::sqrt(static_cast<float>(D));
     if (T == 0) return;
 
     static thread_local Buffer b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act, b_out;
@@ -189,6 +193,12 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         } else {
             cpu::packed_row(weights_.lm_head.packed, in.token_ids[t], row);
         }
+    }
+    if (c.embed_scale > 0.f) {  // HF multiplies by the scale rounded to the model dtype
+        float rounded = 0.f;
+        store_f32(&rounded, 0, dtype_, c.embed_scale);
+        const float s = load_f32(&rounded, 0, dtype_);
+        for (int64_t i = 0; i < T * H; ++i) store_f32(residual.data, i, dtype_, load_f32(residual.data, i, dtype_) * s);
     }
     const int64_t cache_shape[4] = {num_blocks_, block_size_, c.num_kv_heads, D};
     for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -221,19 +231,28 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         }
         // a NoPE layer reads a table of no rotary dims: every dim of q and k passes through
         const bool rope = c.use_rope.empty() || c.use_rope[l];
-        const TensorView cos_sin = rope ? weights_.cos_sin : columns(weights_.cos_sin, 0, 0);
+        const bool local = !c.local_rope.empty() && c.local_rope[l];
+        const TensorView & table = local ? weights_.cos_sin_local : weights_.cos_sin;
+        const TensorView cos_sin = rope ? table : columns(table, 0, 0);
         cpu::rope_fill_kv(qkv, pos, cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
         const int64_t window = c.windows.empty() ? 0 : c.windows[l];
-        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window);
+        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window,
+                                    c.attn_softcap);
         apply(attn2d, w.o, delta, c.int8_activations);
+        if (w.attn_out_norm.data) cpu::rms_norm(delta, w.attn_out_norm, eps, delta, nullptr);
         cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
         if (w.moe) {
             moe_forward(*w.moe, x, delta, c.int8_activations);
         } else {
             apply(x, w.gate_up, gu, c.int8_activations);
-            cpu::silu_and_mul(gu, act);
+            if (c.gelu) {
+                cpu::gelu_tanh_and_mul(gu, act);
+            } else {
+                cpu::silu_and_mul(gu, act);
+            }
             apply(act, w.down, delta, c.int8_activations);
         }
+        if (w.mlp_out_norm.data) cpu::rms_norm(delta, w.mlp_out_norm, eps, delta, nullptr);
     }
     // the final norm and the head, only for the rows whose logits are wanted
     const int64_t R = in.num_logit_rows;
@@ -246,6 +265,10 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
     }
     TensorView out = view(logits, DType::f32, {R, c.vocab_size});
     apply(hidden, weights_.lm_head, out, c.int8_activations);
+    if (c.logit_softcap > 0.f) {
+        float * o = out.ptr<float>();
+        for (int64_t i = 0; i < R * c.vocab_size; ++i) o[i] = c.logit_softcap * std::tanh(o[i] / c.logit_softcap);
+    }
 }
 
 }  // namespace turbomind

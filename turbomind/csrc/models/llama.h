@@ -30,6 +30,15 @@ struct LlamaConfig {
     // per layer: its sliding window (a query reads its last `window` tokens), 0: full attention;
     // empty: every layer full
     std::vector<int64_t> windows;
+    // Gemma's switches (0 / false / empty: Llama's): q · k scaled by attn_scale (0: 1 / sqrt(head_dim)),
+    // scores and final logits soft-capped, tanh(s / cap) * cap; embeddings times embed_scale rounded to
+    // the model dtype; GeGLU in place of SwiGLU; per layer, RoPE by LlamaWeights::cos_sin_local
+    float attn_scale = 0.f;
+    float attn_softcap = 0.f;
+    float logit_softcap = 0.f;
+    float embed_scale = 0.f;
+    bool gelu = false;
+    std::vector<bool> local_rope;
     // W4A16 and W8A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h,
     // W8A8 by groups of quant.h): llama.cpp's Q4 / Q8_0 x Q8 arithmetic, no longer float-exact
     bool int8_activations = false;
@@ -79,7 +88,9 @@ struct LlamaLayerWeights {
     TensorView q_norm;       // [D]
     TensorView k_norm;       // [D]
     LinearWeights o;         // [H, Hq D]
-    TensorView post_norm;    // [H]
+    TensorView post_norm;    // [H] before the MLP
+    TensorView attn_out_norm;  // [H] on the attention's output (Gemma), or none
+    TensorView mlp_out_norm;   // [H] on the MLP's output (Gemma), or none
     LinearWeights gate_up;   // [2 I, H]
     LinearWeights down;      // [H, I]
     std::shared_ptr<const MoeWeights> moe;  // a sparse layer's experts in place of gate_up / down (moe.h)
@@ -90,6 +101,7 @@ struct LlamaWeights {
     TensorView norm;         // [H]
     LinearWeights lm_head;   // [V, H] (the embedding when tied and not quantized)
     TensorView cos_sin;      // [max_position, rot] = cat(cos, sin), the model dtype
+    TensorView cos_sin_local;  // the same for LlamaConfig::local_rope layers (Gemma 3's sliding ones), or none
     std::vector<LlamaLayerWeights> layers;
 };
 
