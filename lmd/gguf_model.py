@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES = {
     'mistral': ('MistralForCausalLM', 'mistral', True),
     'qwen2': ('Qwen2ForCausalLM', 'qwen2', False),
     'qwen3': ('Qwen3ForCausalLM', 'qwen3', False),
+    'phi3': ('Phi3ForCausalLM', 'phi3', False),
 }
 
 _TOP_LEVEL_NAMES = {
@@ -54,7 +55,12 @@ _BLOCK_NAMES = {
     'attn_norm': 'input_layernorm',
     'ffn_norm': 'post_attention_layernorm',
 }
+# where an architecture names a block tensor otherwise: Phi-3 keeps q/k/v and gate/up fused (its
+# ffn_up is HF's gate_up_proj, gate rows first)
+_ARCH_BLOCK_NAMES = {'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'}}
 _BLOCK_RE = re.compile(r'^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$')
+# tensors that are config, not weights: a LongRoPE model's factors (Phi-3), read into rope_scaling
+ROPE_FACTOR_TENSORS = {'rope_factors_long.weight': 'long_factor', 'rope_factors_short.weight': 'short_factor'}
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -141,13 +147,17 @@ def rope_permuted_heads(meta: dict) -> tuple[int, int] | None:
     return n_head, int(n_kv[0] if isinstance(n_kv, list) else n_kv)
 
 
-def hf_tensor_name(name: str, path: str) -> str | None:
-    """The HF name of llama.cpp tensor ``name``; ModelFormatError for one lmd cannot place."""
+def hf_tensor_name(name: str, path: str, arch: str = 'llama') -> str | None:
+    """The HF name of llama.cpp tensor ``name`` of a GGUF of ``arch``; None for a tensor that is config
+    (``ROPE_FACTOR_TENSORS``); ModelFormatError for one lmd cannot place."""
     if name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[name]
+    if name in ROPE_FACTOR_TENSORS:
+        return None
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f'model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}'
+    block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+    if m and m.group(2) in block_names:
+        return f'model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}'
     if name == 'rope_freqs.weight':
         raise ModelFormatError(
             f'{path}: has rope_freqs (Llama-3.1-style rope scaling factors); lmd cannot convert '
@@ -158,8 +168,11 @@ def hf_tensor_name(name: str, path: str) -> str | None:
 def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
     out = {}
+    arch = reader.fields['general.architecture'].contents()
     for t in reader.tensors:
-        hf = hf_tensor_name(t.name, path)
+        hf = hf_tensor_name(t.name, path, arch)
+        if hf is None:
+            continue
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -177,7 +190,8 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dic
     return out
 
 
-def _config(meta: dict, state_dict: dict, path: str) -> dict:
+def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None) -> dict:
+    """The HF config.json of the GGUF; ``factors``: its LongRoPE factor lists by rope_scaling key."""
     arch = meta.get('general.architecture')
     if arch not in GGUF_ARCHITECTURES:
         raise ModelFormatError(
@@ -236,8 +250,15 @@ def _config(meta: dict, state_dict: dict, path: str) -> dict:
     elif scaling not in (None, 'none'):
         raise ModelFormatError(f'{path}: rope scaling {scaling!r} is not supported')
     window = get('attention.sliding_window')
-    if window and model_type in ('mistral', 'qwen2', 'qwen3'):
+    if window and model_type in ('mistral', 'qwen2', 'qwen3', 'phi3'):
         cfg['sliding_window'] = int(window)
+    rope_dims = get('rope.dimension_count')
+    if rope_dims and int(rope_dims) < head_dim:
+        cfg['partial_rotary_factor'] = int(rope_dims) / head_dim
+    if factors:  # LongRoPE (Phi-3): llama.cpp keeps the factors as tensors, the original context as metadata
+        original = int(get('rope.scaling.original_context_length', required=True))
+        cfg['rope_scaling'] = {'rope_type': 'longrope', 'original_max_position_embeddings': original, **factors}
+        cfg['original_max_position_embeddings'] = original
     return cfg
 
 
@@ -376,6 +397,12 @@ def build_tokenizer(meta: dict, path: str = '<gguf>'):
 
 # --------------------------------------------------------------------------- public
 
+def _rope_factors(reader) -> dict[str, list[float]]:
+    """A LongRoPE GGUF's factor tensors as rope_scaling's ``long_factor`` / ``short_factor`` lists."""
+    return {ROPE_FACTOR_TENSORS[t.name]: [float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+            for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+
+
 def read_gguf(path: str) -> GGUFModel:
     """Dequantize and rename a GGUF's tensors and rebuild its config and tokenizer."""
     path = os.path.abspath(os.path.expanduser(path))
@@ -388,7 +415,7 @@ def read_gguf(path: str) -> GGUFModel:
     state_dict = _state_dict(reader, path, rope_permuted_heads(meta))
     if 'model.embed_tokens.weight' not in state_dict:
         raise ModelFormatError(f'{path}: GGUF has no token_embd.weight')
-    config = _config(meta, state_dict, path)
+    config = _config(meta, state_dict, path, _rope_factors(reader))
     tokenizer, tok_cfg = build_tokenizer(meta, path)
     gen_cfg = {'bos_token_id': config['bos_token_id'], 'eos_token_id': config['eos_token_id']}
     if 'pad_token_id' in config:

@@ -73,6 +73,23 @@ def _tiny_model(arch: str, tie: bool, hidden_size: int = 64, intermediate_size: 
     return model
 
 
+def add_tiny_tokenizer(w, vocab_size: int) -> None:
+    """A tiny byte-level BPE tokenizer (ids 256, 257: <s>, </s>) into GGUFWriter ``w``."""
+    byte_chars = list(_bytes_to_unicode().values())
+    merges = ['h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or']
+    tokens = byte_chars + ['<s>', '</s>'] + [m.replace(' ', '') for m in merges]
+    tokens += [f'<extra_{i}>' for i in range(vocab_size - len(tokens))]
+    types = [1] * 256 + [3, 3] + [1] * len(merges) + [4] * (vocab_size - 258 - len(merges))
+    w.add_tokenizer_model('gpt2')
+    w.add_tokenizer_pre('default')
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_add_bos_token(True)
+
+
 def _write_tiny_gguf(model, arch: str, path: str, blocks: dict | None = None) -> None:
     """``model`` as llama.cpp would write it (F32), with a tiny byte-level BPE tokenizer; ``blocks``:
     HF name -> (raw uint8 [rows, row bytes], ggml type name) written instead of that tensor."""
@@ -89,19 +106,7 @@ def _write_tiny_gguf(model, arch: str, path: str, blocks: dict | None = None) ->
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    byte_chars = list(_bytes_to_unicode().values())
-    merges = ['h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or']
-    tokens = byte_chars + ['<s>', '</s>'] + [m.replace(' ', '') for m in merges]
-    tokens += [f'<extra_{i}>' for i in range(cfg.vocab_size - len(tokens))]
-    types = [1] * 256 + [3, 3] + [1] * len(merges) + [4] * (cfg.vocab_size - 258 - len(merges))
-    w.add_tokenizer_model('gpt2')
-    w.add_tokenizer_pre('default')
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
-    w.add_add_bos_token(True)
+    add_tiny_tokenizer(w, cfg.vocab_size)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy().copy()
         if name == 'lm_head.weight' and cfg.tie_word_embeddings:

@@ -22,7 +22,7 @@ from lmd.conversion import conversion_source
 from lmd.gguf_model import gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads, unpermute_rope
 
 from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0, pack_int4
-from .schema import LINEARS
+from .schema import CHECKPOINT_FUSED, LINEARS
 
 
 @functools.lru_cache(maxsize=2)
@@ -73,7 +73,8 @@ def from_gguf_q4_k(raw, n: int, k: int):
 
 # The matmul weights that run in W4A16 straight from a GGUF file.
 _GGUF_W4_READERS = {'Q4_0': from_gguf_q4_0, 'Q4_1': from_gguf_q4_1, 'Q4_K': from_gguf_q4_k}
-_LINEAR_SUFFIXES = tuple(f'.{name}.weight' for name in LINEARS)
+# every matmul a GGUF may hold, Phi-3's fused ones too
+_LINEAR_SUFFIXES = tuple(f'.{name}.weight' for name in LINEARS + sum(CHECKPOINT_FUSED.values(), ()))
 
 
 def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -82,12 +83,13 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
     undone as ``lmd.gguf_model`` undoes it. Tensors of other types are left out (the caller
     takes them from the dequantized model)."""
     reader = _open(path)
-    permuted = rope_permuted_heads(gguf_metadata(reader, path))
+    meta = gguf_metadata(reader, path)
+    permuted, arch = rope_permuted_heads(meta), meta.get('general.architecture')
     heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
     out = {}
     for t in reader.tensors:
         convert = _GGUF_W4_READERS.get(t.tensor_type.name)
-        name = hf_tensor_name(t.name, path)
+        name = hf_tensor_name(t.name, path, arch)
         if convert is None or not name.endswith(_LINEAR_SUFFIXES):
             continue
         k, n = (int(d) for d in t.shape)  # GGUF lists dims fastest first
@@ -156,7 +158,8 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     one of ``GGUF_BLOCK_TYPES``: the blocks as stored, with llama.cpp's row permutation of q and k
     undone (whole rows move). Other tensors are left out (the caller takes them in float)."""
     reader = _open(path)
-    permuted = rope_permuted_heads(gguf_metadata(reader, path))
+    meta = gguf_metadata(reader, path)
+    permuted, arch = rope_permuted_heads(meta), meta.get('general.architecture')
     heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
     tensors = {t.name: t for t in reader.tensors}
     head = 'output.weight' if 'output.weight' in tensors else 'token_embd.weight'
@@ -164,7 +167,7 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     for t in reader.tensors:
         if t.tensor_type.name not in GGUF_BLOCK_TYPES:
             continue
-        name = 'lm_head.weight' if t.name == head else hf_tensor_name(t.name, path)
+        name = 'lm_head.weight' if t.name == head else hf_tensor_name(t.name, path, arch)
         if name != 'lm_head.weight' and not name.endswith(_LINEAR_SUFFIXES):
             continue
         n = int(t.shape[1])
