@@ -17,9 +17,10 @@ CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'p
 # (lmd.weights.turbomind_layout.load_fused; its own layout, written by `lmd convert --backend
 # turbomind`, declares one of them), on the devices it has kernels for (CPU only: the CUDA kernels
 # come later).
-TURBOMIND_ARCHITECTURES = frozenset({'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM',
-                                     'Qwen3ForCausalLM', 'Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM',
-                                     'Qwen3MoeForCausalLM'})
+TURBOMIND_ARCHITECTURES = frozenset({
+    'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'SmolLM3ForCausalLM',
+    'Phi3ForCausalLM', 'Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM',
+    'Qwen3MoeForCausalLM'})
 TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'})
 TURBOMIND_DEVICES = frozenset({'cpu'})
 

@@ -94,3 +94,17 @@ def test_native_gelu_tanh_and_mul_matches_torch():
     out = torch.empty(5, 24)
     ops.gelu_tanh_and_mul(to_dlpack(x), to_dlpack(out))
     torch.testing.assert_close(out, gelu_tanh_and_mul(x), rtol=1e-5, atol=1e-6)
+
+
+def test_gemma3_converted_to_turbomind_layout_gives_hf_greedy_tokens(tmp_path):
+    """``lmd convert --backend turbomind``: both RoPE tables are rebuilt from the config on load."""
+    from lmd.weights.turbomind_layout import export
+    hf_model, _, _ = make('gemma3')
+    src, out = tmp_path / 'hf', tmp_path / 'tm'
+    hf_model.save_pretrained(str(src), safe_serialization=True)
+    export(str(src), str(out))
+    prompt = tokens(37, seed=37)
+    config = TurbomindEngineConfig(dtype='float32', cache_block_seq_len=4, num_cache_blocks=64, session_len=128)
+    with TurbomindEngine(str(out), config) as e:
+        got, _ = generate(e, [prompt], SamplingParams(max_new_tokens=16))
+    assert got == [hf_greedy(hf_model, prompt, 16)]

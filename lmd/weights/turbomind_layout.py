@@ -130,6 +130,7 @@ def export(model_dir: str, out_dir: str, dtype: str = 'auto', model_format: str 
     tensors, fmt = load_fused(model_dir, config, torch_dtype, model_format)
     formats = linear_formats(config, tensors)
     del tensors['cos_sin']
+    tensors.pop('cos_sin_local', None)  # rebuilt from the config too
     if tensors.get('lm_head') is tensors['embed']:
         del tensors['lm_head']
     os.makedirs(os.path.join(out_dir, 'turbomind'), exist_ok=True)
@@ -217,4 +218,6 @@ def read(model_dir: str, config: ModelConfig, dtype: torch.dtype,
         raise TurbomindFormatError(f'{path}: matmul {bad!r} is stored as {formats[bad]}, but {cfg_path} says '
                                    f'{record["linears"].get(bad)}')
     tensors['cos_sin'] = build_cos_sin_cache(config, dtype, 'cpu')
+    if config.local_rope_layers:
+        tensors['cos_sin_local'] = build_cos_sin_cache(config, dtype, 'cpu', local=True)
     return tensors, record['source_format']
