@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from lmd.weights.memory import window_blocks
+
 from .sequence import Sequence
 
 _ROOT_HASH = 0x6C6D64  # the parent key of a sequence's first block
@@ -78,10 +80,9 @@ class BlockManager:
 
     def blocks_held(self, num_tokens: int, chunk: int) -> int:
         """The most blocks a sequence of ``num_tokens`` holds at once, computed ``chunk`` tokens a step:
-        all of them, or with a window those of a window and a chunk (one more where they straddle a
-        block boundary)."""
+        all of them, or with a window ``window_blocks``."""
         n = self.blocks_needed(num_tokens)
-        return min(n, self.blocks_needed(self.window - 1 + chunk) + 1) if self.window else n
+        return min(n, window_blocks(self.window, chunk, self.block_size)) if self.window else n
 
     def _window_skip(self, num_prefix_blocks: int) -> int:
         """Of a prefix hit of that many blocks, the leading ones no query of the sequence reads."""
@@ -161,10 +162,13 @@ class BlockManager:
         if not self.window:
             return
         first_read = seq.num_computed_tokens - self.window + 1
-        for i in range(min(max(0, first_read) // self.block_size, len(seq.block_ids))):
-            if seq.block_ids[i] != RELEASED:
-                self._drop(seq.block_ids[i])
-                seq.block_ids[i] = RELEASED
+        # released entries are always a prefix: walk back from the last block to give back until one is
+        # met, so a decode step does constant work however long the sequence
+        i = min(max(0, first_read) // self.block_size, len(seq.block_ids)) - 1
+        while i >= 0 and seq.block_ids[i] != RELEASED:
+            self._drop(seq.block_ids[i])
+            seq.block_ids[i] = RELEASED
+            i -= 1
 
     def _drop(self, b: int) -> None:
         """One holder less for block b; at none it is free, or cached if it is a registered prefix."""
@@ -233,7 +237,8 @@ class BlockManager:
         if seqs is not None:
             held = [0] * self.num_blocks
             for s in seqs:
-                for b in s.block_ids:
-                    if b != RELEASED:
-                        held[b] += 1
+                num_released = next((i for i, b in enumerate(s.block_ids) if b != RELEASED), len(s.block_ids))
+                assert RELEASED not in s.block_ids[num_released:], 'released blocks are not a prefix'
+                for b in s.block_ids[num_released:]:
+                    held[b] += 1
             assert held == self._ref_counts, 'ref counts differ from the blocks sequences hold'

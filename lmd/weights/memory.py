@@ -82,11 +82,17 @@ def num_blocks_from_memory(block_bytes: int, device: torch.device, cache_max_ent
     return num_blocks
 
 
+def window_blocks(window: int, chunk: int, block_size: int) -> int:
+    """The most blocks a sequence holds at once when every layer reads only its last ``window`` tokens
+    (``ModelConfig.kv_window``) and a step computes up to ``chunk`` new ones: those of a window and a
+    chunk, one more where they straddle a block boundary."""
+    return -(-(window - 1 + chunk) // block_size) + 1
+
+
 def fit_session_len(session_len: int, num_blocks: int, block_size: int, window: int = 0, chunk: int = 0) -> int:
-    """``session_len``, cut (with a warning) to what ``num_blocks`` blocks hold. With a ``window`` on
-    every layer (``ModelConfig.kv_window``) a sequence holds only its window's blocks and a step's
-    ``chunk`` of new tokens (one more block where they straddle a boundary): any length fits then."""
-    if window and num_blocks >= -(-(window - 1 + chunk) // block_size) + 1:
+    """``session_len``, cut (with a warning) to what ``num_blocks`` blocks hold; with a ``window``, any
+    length fits in ``window_blocks``."""
+    if window and num_blocks >= window_blocks(window, chunk, block_size):
         return session_len
     if num_blocks * block_size < session_len:
         logger.warning('session_len %d is cut to %d: the KV cache holds only %d blocks of %d tokens',

@@ -149,12 +149,12 @@ void BlockManager::drop(int32_t b) {
 void BlockManager::release_outside_window(BlockSequence & seq) {
     if (window_ <= 0) return;
     const int64_t first_read = std::max<int64_t>(0, seq.num_computed_tokens - window_ + 1);
-    const int64_t n = std::min<int64_t>(first_read / block_size_, (int64_t) seq.block_ids.size());
-    for (int64_t i = 0; i < n; ++i) {
-        if (seq.block_ids[i] != kReleased) {
-            drop(seq.block_ids[i]);
-            seq.block_ids[i] = kReleased;
-        }
+    // released entries are always a prefix: walk back from the last block to give back until one is
+    // met, so a decode step does constant work however long the sequence
+    for (int64_t i = std::min<int64_t>(first_read / block_size_, (int64_t) seq.block_ids.size()) - 1;
+         i >= 0 && seq.block_ids[i] != kReleased; --i) {
+        drop(seq.block_ids[i]);
+        seq.block_ids[i] = kReleased;
     }
 }
 
@@ -238,8 +238,13 @@ std::string BlockManager::check_invariants(const std::vector<const BlockSequence
     if (seqs) {
         std::vector<int32_t> held(num_blocks_, 0);
         for (const BlockSequence * s : *seqs) {
+            bool held_one = false;
             for (int32_t b : s->block_ids) {
-                if (b == kReleased) continue;
+                if (b == kReleased) {
+                    if (held_one) return "a sequence's released blocks are not a prefix of its blocks";
+                    continue;
+                }
+                held_one = true;
                 if (b < 0 || b >= num_blocks_) return "a sequence holds an id out of range: " + std::to_string(b);
                 ++held[b];
             }
