@@ -122,8 +122,7 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(type_name, int8):
 
 def test_q4_k_maps_onto_the_w4a16_layout_bit_for_bit():
     """TurboMind runs Q4_K matmuls on the W4A16 panels: eight groups of 32 per block, exactly."""
-    from lmd.weights.gguf_linears import from_gguf_q4_k
-    from lmd.weights.quant_layouts import dequantize_w4a16
+    from lmd.weights.quant_layouts import dequantize_w4a16, from_gguf_q4_k
     raw = random_blocks('Q4_K', 24, 768, seed=5)
     want = gguf_reference('Q4_K', raw, 768)
     got = dequantize_w4a16(*from_gguf_q4_k(raw.numpy(), 24, 768))

@@ -12,6 +12,7 @@ Each source maps onto it exactly (the float32 dequantization is bit-for-bit the 
 
     GGUF Q4_0  w = d * (q - 8)      scale = d,  min = -8 d      (fp16 d, G = 32)
     GGUF Q4_1  w = d * q + m        scale = d,  min = m         (fp16 d and m, G = 32)
+    GGUF Q4_K  w = (d sc) q - dmin m  scale = d sc, min = -(dmin m)  (eight groups of 32 a block)
     AWQ        w = (q - z) * s      scale = s,  min = -z s      (fp16 s, integer z)
     GPTQ, compressed-tensors int4   as AWQ (fp16 / bf16 s, integer z in 0..16; ``from_int4_groups``)
 
@@ -49,6 +50,7 @@ GGUF_BLOCK = 32           # values per Q4_0 / Q4_1 block
 Q4_0_BLOCK_BYTES = 18     # fp16 d, 16 bytes of nibbles
 Q4_1_BLOCK_BYTES = 20     # fp16 d, fp16 m, 16 bytes of nibbles
 Q8_0_BLOCK_BYTES = 34     # fp16 d, 32 int8
+Q4_K_BLOCK, Q4_K_BLOCK_BYTES = 256, 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -113,6 +115,37 @@ def from_gguf_q4_1(raw, n: int, k: int):
     """GGUF Q4_1 data of a [n, k] weight -> (qweight, scales, mins), group size 32."""
     blocks = _gguf_blocks(raw, n, k, Q4_1_BLOCK_BYTES)
     return pack_int4(_gguf_nibbles(blocks[..., 4:])), _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+
+
+def _q4_k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sc: uint8 [..., 12] -> the eight 6-bit (scale, min) pairs of a Q4_K block, each int [..., 8]."""
+    sc = sc.astype(np.int32)
+    low, high = sc[..., 0:4], sc[..., 8:12]  # pairs 0..3 in 6 bits; pairs 4..7: low 4 bits here,
+    scale = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=-1)  # top 2 in bytes 0..3
+    mins = np.concatenate([sc[..., 4:8] & 63, (high >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)  # and 4..7
+    return scale, mins
+
+
+def from_gguf_q4_k(raw, n: int, k: int):
+    """GGUF Q4_K data of a [n, k] weight -> (qweight, scales, mins) of the W4A16 layout, group size 32.
+
+    A Q4_K block holds 256 values in eight sub-blocks of 32: sub-block j's codes are the low (j even)
+    or high (j odd) nibbles of bytes 32 (j // 2) ... + 31 of qs, and w = (d sc_j) q - (dmin m_j). Both
+    products are exact in float32 (11-bit times 6-bit significands), so scale = d sc_j and
+    min = -(dmin m_j) give w bit for bit, as ``gguf.quants.dequantize`` computes it."""
+    if k % Q4_K_BLOCK:
+        raise ValueError(f'K = {k} is not a multiple of the Q4_K block size {Q4_K_BLOCK}')
+    data = np.ascontiguousarray(raw).view(np.uint8)
+    if data.size != n * k // Q4_K_BLOCK * Q4_K_BLOCK_BYTES:
+        raise ValueError(f'raw: {data.size} bytes, expected {n * k // Q4_K_BLOCK * Q4_K_BLOCK_BYTES} for [{n}, {k}]')
+    blocks = data.reshape(n, k // Q4_K_BLOCK, Q4_K_BLOCK_BYTES)
+    d, dmin = _fp16_field(blocks, 0).numpy(), _fp16_field(blocks, 2).numpy()
+    sc, mn = _q4_k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(n, k // Q4_K_BLOCK, 4, 1, 32)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c (low), 2c + 1
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    mins = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return pack_int4(torch.from_numpy(np.ascontiguousarray(q))), torch.from_numpy(scales), torch.from_numpy(mins)
 
 
 def from_gguf_q8_0(raw, n: int, k: int):
