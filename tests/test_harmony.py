@@ -107,7 +107,22 @@ def test_a_call_streams_its_name_first_then_its_arguments():
     assert parser.finish() is None
 
 
-def test_names_and_markers():
+class MarkerTokenizer:
+    """The two calls keep_markers makes of a tokenizer: ``<|...|>`` markers are single special tokens
+    when ``special``, else several ordinary ones."""
+
+    def __init__(self, special: bool):
+        self.special = special
+        self.all_special_ids = [7]
+
+    def encode(self, text, add_special_tokens=False):
+        return [7] if self.special and text.startswith('<|') else [1, 2]
+
+
+@pytest.mark.parametrize('special', [True, False])
+def test_both_parsers_keep_the_markers_only_where_they_are_special_tokens(special):
     assert 'gpt-oss' in ToolParserManager.names() and 'gpt-oss' in ReasoningParserManager.names()
-    request = {'skip_special_tokens': True}
-    assert tool_parser().adjust_request(request) is request   # no tokenizer: nothing to say
+    for parser in (ToolParserManager.get('gpt-oss'), ReasoningParserManager.get('gpt-oss')):
+        request = {'skip_special_tokens': True}
+        assert parser(MarkerTokenizer(special)).adjust_request(request) == {'skip_special_tokens': not special}
+        assert parser(None).adjust_request(request) is request

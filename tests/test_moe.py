@@ -24,8 +24,9 @@ from lmd.turbomind.engine import TurbomindEngine
 from lmd.turbomind.model import TurbomindModel
 from lmd.weights.schema import fuse_weights
 from test_pytorch_engine import assert_no_leak, generate, hf_greedy, hf_logits, rand_prompt
+from test_turbomind_engine import assert_all_blocks_back
 from test_turbomind_model import Runner, tm_chunked
-from tiny_models import tiny_hf_model
+from tiny_models import saved_models, tiny_hf_model
 
 TINY = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-6)
@@ -47,17 +48,10 @@ FAMILIES = {
 @pytest.fixture(scope='module')
 def moe_models(tmp_path_factory):
     """family -> (HF model, saved dir); built once per module."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cfg_name, model_name, extra = FAMILIES[family]
-            model, _ = tiny_hf_model(cfg_name, model_name, **TINY, **extra)
-            path = str(tmp_path_factory.mktemp(f'tiny_{family}'))
-            model.save_pretrained(path, safe_serialization=True)
-            cache[family] = (model, path)
-        return cache[family]
-    return get
+    def make(family: str):
+        cfg_name, model_name, extra = FAMILIES[family]
+        return tiny_hf_model(cfg_name, model_name, **TINY, **extra)
+    return saved_models(tmp_path_factory, make)
 
 
 def moe_engine(path: str, **cfg) -> PytorchEngine:
@@ -79,15 +73,19 @@ def test_teacher_forced_logits_match_hf(moe_models, family, kernel_backend):
     assert (got - want).abs().max().item() < 1e-3 * (want.max() - want.min()).item()
 
 
+@pytest.mark.parametrize('engine', ['pytorch', 'turbomind'])
 @pytest.mark.parametrize('family', list(FAMILIES))
-def test_batched_greedy_matches_hf(moe_models, family):
+def test_batched_greedy_matches_hf(moe_models, family, engine):
+    """Submitted at once, the prompts run in the same steps: tokens of different sequences share experts
+    (TurboMind in chunks of 24 tokens, so prefill chunks and decodes share steps too)."""
     model, path = moe_models(family)
     rng = random.Random(2)
     prompts = [rand_prompt(rng, n) for n in (37, 5, 20, 12)]
-    # submitted at once, they run in the same steps: tokens of different sequences share experts
-    with moe_engine(path, max_batch_size=4, max_prefill_token_num=128) as engine:
-        got = generate(engine, prompts, SamplingParams(max_new_tokens=32))[0]
-        assert_no_leak(engine)
+    make, chunk, all_back = {'pytorch': (moe_engine, 128, assert_no_leak),
+                             'turbomind': (tm_moe_engine, 24, assert_all_blocks_back)}[engine]
+    with make(path, max_batch_size=4, max_prefill_token_num=chunk) as e:
+        got = generate(e, prompts, SamplingParams(max_new_tokens=32))[0]
+        all_back(e)
     assert got == [hf_greedy(model, p, 32) for p in prompts]
 
 
@@ -149,17 +147,6 @@ def test_turbomind_teacher_forced_logits_match_hf(moe_models, family):
     want = hf_logits(model, tokens)[60:]
     assert got.shape == want.shape == (17, 512)
     assert (got - want).abs().max().item() < 1e-3 * (want.max() - want.min()).item()
-
-
-@pytest.mark.parametrize('family', list(FAMILIES))
-def test_turbomind_batched_greedy_matches_hf(moe_models, family):
-    model, path = moe_models(family)
-    rng = random.Random(2)
-    prompts = [rand_prompt(rng, n) for n in (37, 5, 20, 12)]
-    # at once, in chunks of 24 tokens: prefill chunks and decodes share steps and experts
-    with tm_moe_engine(path, max_batch_size=4, max_prefill_token_num=24) as engine:
-        got = generate(engine, prompts, SamplingParams(max_new_tokens=32))[0]
-    assert got == [hf_greedy(model, p, 32) for p in prompts]
 
 
 def test_turbomind_rows_equal_each_sequence_alone(moe_models):

@@ -19,7 +19,7 @@ import transformers
 from lmd.engine import EngineOutput, EngineRequest, SamplingParams
 from lmd.messages import PytorchEngineConfig
 from lmd.pytorch_backend import PytorchEngine
-from tiny_models import tiny_hf_model
+from tiny_models import saved_models, tiny_hf_model
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)
@@ -36,17 +36,10 @@ ARCHS = {
 @pytest.fixture(scope='module')
 def tiny_models(tmp_path_factory):
     """arch -> (HF model, saved dir); built once per module."""
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cfg_name, model_name, extra = ARCHS[arch]
-            model, _ = tiny_hf_model(cfg_name, model_name, **TINY, **extra)
-            path = str(tmp_path_factory.mktemp(f'tiny_{arch}'))
-            model.save_pretrained(path, safe_serialization=True)
-            cache[arch] = (model, path)
-        return cache[arch]
-    return get
+    def make(arch: str):
+        cfg_name, model_name, extra = ARCHS[arch]
+        return tiny_hf_model(cfg_name, model_name, **TINY, **extra)
+    return saved_models(tmp_path_factory, make)
 
 
 def tiny_engine(tiny_models, arch='llama', **cfg) -> PytorchEngine:
