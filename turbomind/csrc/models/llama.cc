@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "cpu/gemm.h"
 #include "cpu/gguf.h"
@@ -119,17 +121,15 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
     if (quant_policy == 4 && config_.head_dim % 2) {
         throw std::invalid_argument("LlamaModel: quant_policy 4 needs an even head_dim");
     }
-    if (!config_.use_rope.empty() && static_cast<int64_t>(config_.use_rope.size()) != config_.num_layers) {
-        throw std::invalid_argument("LlamaModel: use_rope has " + std::to_string(config_.use_rope.size()) +
-                                    " flags for " + std::to_string(config_.num_layers) + " layers");
-    }
-    if (!config_.local_rope.empty() && static_cast<int64_t>(config_.local_rope.size()) != config_.num_layers) {
-        throw std::invalid_argument("LlamaModel: local_rope has " + std::to_string(config_.local_rope.size()) +
-                                    " flags for " + std::to_string(config_.num_layers) + " layers");
-    }
-    if (!config_.windows.empty() && static_cast<int64_t>(config_.windows.size()) != config_.num_layers) {
-        throw std::invalid_argument("LlamaModel: windows has " + std::to_string(config_.windows.size()) +
-                                    " entries for " + std::to_string(config_.num_layers) + " layers");
+    // the per-layer settings: empty (every layer alike) or one entry a layer
+    const std::pair<const char *, size_t> per_layer[] = {
+        {"use_rope", config_.use_rope.size()}, {"local_rope", config_.local_rope.size()},
+        {"windows", config_.windows.size()}};
+    for (const auto & [name, n] : per_layer) {
+        if (n != 0 && static_cast<int64_t>(n) != config_.num_layers) {
+            throw std::invalid_argument(std::string("LlamaModel: ") + name + " has " + std::to_string(n) +
+                                        " entries for " + std::to_string(config_.num_layers) + " layers");
+        }
     }
     if (static_cast<int64_t>(weights_.layers.size()) != config_.num_layers) {
         throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
