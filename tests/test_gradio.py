@@ -74,9 +74,18 @@ class ChatPage:
         for elem, value in (('#lmd-temperature', temperature), ('#lmd-max-new-tokens', max_new_tokens)):
             if value is not None:
                 box = self.page.locator(f'{elem} input[type=number]')
-                box.fill(str(value))
-                box.press('Enter')
-                wait_until(lambda: float(box.input_value()) == float(value), 5, f'{elem} to read {value}')
+                wait_until(lambda: self._set(box, value), 10, f'{elem} to read {value}', interval=0.5)
+
+    @staticmethod
+    def _set(box, value) -> bool:
+        """Type ``value`` into a number box unless it reads so already. A freshly loaded page can
+        still be hydrating and put the component's initial value back over a first fill, so the
+        caller retries until the box keeps what was typed."""
+        if float(box.input_value() or 'nan') == float(value):
+            return True
+        box.fill(str(value))
+        box.press('Enter')
+        return False
 
     def send(self, text: str):
         self.page.fill('#lmd-message textarea', text)
