@@ -26,14 +26,23 @@ import torch
 
 from .errors import ModelFormatError
 
-# GGUF general.architecture -> (HF architecture, HF model_type, rows of q/k permuted by llama.cpp)
+# GGUF general.architecture -> (HF architecture, HF model_type, rows of q/k permuted by llama.cpp).
+# A 'llama' file with experts (``llama.expert_count``) is a Mixtral (``MIXTRAL``).
 GGUF_ARCHITECTURES = {
     'llama': ('LlamaForCausalLM', 'llama', True),
     'mistral': ('MistralForCausalLM', 'mistral', True),
     'qwen2': ('Qwen2ForCausalLM', 'qwen2', False),
     'qwen3': ('Qwen3ForCausalLM', 'qwen3', False),
     'phi3': ('Phi3ForCausalLM', 'phi3', False),
+    'smollm3': ('SmolLM3ForCausalLM', 'smollm3', True),
+    'gemma2': ('Gemma2ForCausalLM', 'gemma2', False),
+    'gemma3': ('Gemma3ForCausalLM', 'gemma3_text', False),
+    'qwen2moe': ('Qwen2MoeForCausalLM', 'qwen2_moe', False),
+    'qwen3moe': ('Qwen3MoeForCausalLM', 'qwen3_moe', False),
 }
+MIXTRAL = ('MixtralForCausalLM', 'mixtral', True)
+_GEMMA_ARCHS = ('gemma2', 'gemma3')
+_MOE_ARCHS = ('qwen2moe', 'qwen3moe')
 
 _TOP_LEVEL_NAMES = {
     'token_embd.weight': 'model.embed_tokens.weight',
@@ -56,8 +65,28 @@ _BLOCK_NAMES = {
     'ffn_norm': 'post_attention_layernorm',
 }
 # where an architecture names a block tensor otherwise: Phi-3 keeps q/k/v and gate/up fused (its
-# ffn_up is HF's gate_up_proj, gate rows first)
-_ARCH_BLOCK_NAMES = {'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'}}
+# ffn_up is HF's gate_up_proj, gate rows first); Gemma norms the attention's output
+# (post_attention_norm), before the MLP (ffn_norm) and the MLP's output (post_ffw_norm); a MoE
+# layer's router (ffn_gate_inp) and experts stacked into one tensor per matmul (``*_exps``
+# [E, N, K]: ``STACKED_EXPERTS`` names, one HF tensor per expert), Qwen2-MoE's shared expert and its gate
+_GEMMA_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'ffn_norm': 'pre_feedforward_layernorm',
+                'post_ffw_norm': 'post_feedforward_layernorm'}
+_QWEN_MOE_NAMES = {'ffn_gate_inp': 'mlp.gate', 'ffn_gate_exps': 'mlp.experts.gate_proj',
+                   'ffn_up_exps': 'mlp.experts.up_proj', 'ffn_down_exps': 'mlp.experts.down_proj',
+                   'ffn_gate_shexp': 'mlp.shared_expert.gate_proj', 'ffn_up_shexp': 'mlp.shared_expert.up_proj',
+                   'ffn_down_shexp': 'mlp.shared_expert.down_proj', 'ffn_gate_inp_shexp': 'mlp.shared_expert_gate'}
+_ARCH_BLOCK_NAMES = {
+    'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
+    'gemma2': _GEMMA_NAMES,
+    'gemma3': _GEMMA_NAMES,
+    'qwen2moe': _QWEN_MOE_NAMES,
+    'qwen3moe': _QWEN_MOE_NAMES,
+    'mixtral': {'ffn_gate_inp': 'block_sparse_moe.gate', 'ffn_gate_exps': 'block_sparse_moe.experts.w1',
+                'ffn_up_exps': 'block_sparse_moe.experts.w3', 'ffn_down_exps': 'block_sparse_moe.experts.w2'},
+}
+# HF's name of a stacked expert tensor (as hf_tensor_name gives it) -> (prefix, matmul): expert e's
+# own tensor is f'{prefix}{e}.{matmul}.weight'
+STACKED_EXPERTS = re.compile(r'^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)([a-z0-9_]+)\.weight$')
 _BLOCK_RE = re.compile(r'^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$')
 # tensors that are config, not weights: a LongRoPE model's factors (Phi-3), read into rope_scaling
 ROPE_FACTOR_TENSORS = {'rope_factors_long.weight': 'long_factor', 'rope_factors_short.weight': 'short_factor'}
@@ -136,6 +165,17 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_arch(meta: dict) -> str:
+    """The architecture of a GGUF as lmd reads it: ``general.architecture``, except a 'llama' file with
+    experts, which is a 'mixtral'."""
+    arch = meta.get('general.architecture')
+    return 'mixtral' if arch == 'llama' and meta.get('llama.expert_count') else arch
+
+
+def _hf_names(arch: str) -> tuple[str, str, bool] | None:
+    return MIXTRAL if arch == 'mixtral' else GGUF_ARCHITECTURES.get(arch)
+
+
 def rope_permuted_heads(meta: dict) -> tuple[int, int] | None:
     """(q heads, kv heads) when llama.cpp permuted the rows of q and k (``unpermute_rope`` undoes
     it), else None; ``meta`` is ``gguf_metadata``'s."""
@@ -148,7 +188,8 @@ def rope_permuted_heads(meta: dict) -> tuple[int, int] | None:
 
 
 def hf_tensor_name(name: str, path: str, arch: str = 'llama') -> str | None:
-    """The HF name of llama.cpp tensor ``name`` of a GGUF of ``arch``; None for a tensor that is config
+    """The HF name of llama.cpp tensor ``name`` of a GGUF of ``arch`` (``gguf_arch``; a stacked expert
+    tensor's name is one of ``STACKED_EXPERTS``); None for a tensor that is config
     (``ROPE_FACTOR_TENSORS``); ModelFormatError for one lmd cannot place."""
     if name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[name]
@@ -165,10 +206,9 @@ def hf_tensor_name(name: str, path: str, arch: str = 'llama') -> str | None:
     raise ModelFormatError(f'{path}: unexpected tensor {name!r} for this architecture')
 
 
-def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None, arch: str) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
     out = {}
-    arch = reader.fields['general.architecture'].contents()
     for t in reader.tensors:
         hf = hf_tensor_name(t.name, path, arch)
         if hf is None:
@@ -186,20 +226,30 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None) -> dic
             w = unpermute_rope(w, permute_heads[1])
         if not (w.flags.writeable and w.flags.c_contiguous):  # F32/F16 tensors are views of the file map
             w = np.array(w, order='C')
-        out[hf] = torch.from_numpy(w)
+        if arch in _GEMMA_ARCHS and hf.endswith('norm.weight'):
+            w -= 1.0  # llama.cpp stores Gemma's RMSNorm scale (1 + w); HF keeps w
+        if hf.endswith('shared_expert_gate.weight'):
+            w = w.reshape(1, -1)  # HF's [1, H]
+        stacked = STACKED_EXPERTS.match(hf)
+        if stacked:  # [E, N, K] -> one [N, K] tensor per expert
+            prefix, matmul = stacked.groups()
+            out.update({f'{prefix}{e}.{matmul}.weight': torch.from_numpy(np.array(w[e])) for e in range(len(w))})
+        else:
+            out[hf] = torch.from_numpy(w)
     return out
 
 
 def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None) -> dict:
     """The HF config.json of the GGUF; ``factors``: its LongRoPE factor lists by rope_scaling key."""
-    arch = meta.get('general.architecture')
-    if arch not in GGUF_ARCHITECTURES:
+    arch = gguf_arch(meta)
+    if _hf_names(arch) is None:
         raise ModelFormatError(
             f'{path}: GGUF architecture {arch!r} is not supported; lmd reads {", ".join(GGUF_ARCHITECTURES)}')
-    hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
+    hf_arch, model_type, _ = _hf_names(arch)
+    key_arch = meta.get('general.architecture')  # a Mixtral's keys are llama.*
 
     def get(key, default=None, required=False):
-        full = f'{arch}.{key}'
+        full = f'{key_arch}.{key}'
         if full not in meta:
             if required:
                 raise ModelFormatError(f'{path}: GGUF metadata {full!r} is missing')
@@ -220,7 +270,7 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
         'model_type': model_type,
         'vocab_size': vocab_size,
         'hidden_size': hidden,
-        'intermediate_size': int(get('feed_forward_length', required=True)),
+        'intermediate_size': int(get('feed_forward_length') or get('expert_feed_forward_length', required=True)),
         'num_hidden_layers': int(get('block_count', required=True)),
         'num_attention_heads': num_heads,
         'num_key_value_heads': int(num_kv_heads),
@@ -238,8 +288,8 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
     }
     if model_type in ('llama', 'mistral'):
         cfg['mlp_bias'] = False
-    if meta.get('tokenizer.ggml.padding_token_id') is not None:
-        cfg['pad_token_id'] = meta['tokenizer.ggml.padding_token_id']
+    # said even when absent: a family's default (SmolLM3's 128004) may lie outside the file's vocabulary
+    cfg['pad_token_id'] = meta.get('tokenizer.ggml.padding_token_id')
     scaling = get('rope.scaling.type')
     if scaling in ('linear', 'yarn'):
         rope_scaling = {'rope_type': scaling, 'factor': float(get('rope.scaling.factor', 1.0))}
@@ -250,8 +300,14 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
     elif scaling not in (None, 'none'):
         raise ModelFormatError(f'{path}: rope scaling {scaling!r} is not supported')
     window = get('attention.sliding_window')
-    if window and model_type in ('mistral', 'qwen2', 'qwen3', 'phi3'):
+    if window and model_type in ('mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3_text'):
         cfg['sliding_window'] = int(window)
+    if arch in _GEMMA_ARCHS:
+        cfg.update(_gemma_config(arch, cfg, get))
+    if arch in _MOE_ARCHS or arch == 'mixtral':
+        cfg.update(_moe_config(arch, get))
+    if arch == 'smollm3':  # llama.cpp leaves RoPE out of every 4th layer, as SmolLM3's config does by default
+        cfg['no_rope_layer_interval'] = 4
     rope_dims = get('rope.dimension_count')
     if rope_dims and int(rope_dims) < head_dim:
         cfg['partial_rotary_factor'] = int(rope_dims) / head_dim
@@ -260,6 +316,43 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
         cfg['rope_scaling'] = {'rope_type': 'longrope', 'original_max_position_embeddings': original, **factors}
         cfg['original_max_position_embeddings'] = original
     return cfg
+
+
+def _gemma_config(arch: str, cfg: dict, get) -> dict:
+    """Gemma's config.json fields from a GGUF, with the values llama.cpp assumes where the file says
+    nothing: scores scaled by head_dim ** -0.5 (hidden / heads for the 27B models, which llama.cpp knows
+    by their layer count), Gemma 3's sliding layers 5 in 6 with their own RoPE base 10000."""
+    heads, layers = cfg['num_attention_heads'], cfg['num_hidden_layers']
+    big = (arch, layers) in (('gemma2', 46), ('gemma3', 62))
+    out = {'hidden_activation': 'gelu_pytorch_tanh', 'hidden_act': 'gelu_pytorch_tanh',
+           'query_pre_attn_scalar': cfg['hidden_size'] // heads if big else cfg['head_dim'],
+           'final_logit_softcapping': get('final_logit_softcapping')}
+    if arch == 'gemma2':
+        out['attn_logit_softcapping'] = get('attn_logit_softcapping')
+    else:
+        out['rope_local_base_freq'] = float(get('rope.freq_base_swa', 10000.0))
+        pattern = get('attention.sliding_window_pattern')
+        if isinstance(pattern, list):  # per layer: whether it slides
+            out['layer_types'] = ['sliding_attention' if p else 'full_attention' for p in pattern]
+        else:
+            out['sliding_window_pattern'] = int(pattern or 6)
+    return out
+
+
+def _moe_config(arch: str, get) -> dict:
+    """The experts' config.json fields from a GGUF's ``expert_*`` keys (every layer sparse, as llama.cpp
+    runs them); top-k weights renormalised as llama.cpp does unless the file says
+    (``expert_weights_norm``): Mixtral and Qwen3-MoE yes, Qwen2-MoE no."""
+    experts, used = int(get('expert_count', required=True)), int(get('expert_used_count', required=True))
+    if arch == 'mixtral':
+        return {'num_local_experts': experts, 'num_experts_per_tok': used}
+    out = {'num_experts': experts, 'num_experts_per_tok': used,
+           'moe_intermediate_size': int(get('expert_feed_forward_length', required=True)),
+           'norm_topk_prob': bool(get('expert_weights_norm', arch == 'qwen3moe')),
+           'decoder_sparse_step': 1, 'mlp_only_layers': []}
+    if arch == 'qwen2moe':
+        out['shared_expert_intermediate_size'] = int(get('expert_shared_feed_forward_length', 0))
+    return out
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -408,17 +501,17 @@ def read_gguf(path: str) -> GGUFModel:
     path = os.path.abspath(os.path.expanduser(path))
     reader = open_gguf(path)
     meta = gguf_metadata(reader, path)
-    arch = meta.get('general.architecture')
-    if arch not in GGUF_ARCHITECTURES:
+    arch = gguf_arch(meta)
+    if _hf_names(arch) is None:
         raise ModelFormatError(
             f'{path}: GGUF architecture {arch!r} is not supported; lmd reads {", ".join(GGUF_ARCHITECTURES)}')
-    state_dict = _state_dict(reader, path, rope_permuted_heads(meta))
+    state_dict = _state_dict(reader, path, rope_permuted_heads(meta), arch)
     if 'model.embed_tokens.weight' not in state_dict:
         raise ModelFormatError(f'{path}: GGUF has no token_embd.weight')
     config = _config(meta, state_dict, path, _rope_factors(reader))
     tokenizer, tok_cfg = build_tokenizer(meta, path)
     gen_cfg = {'bos_token_id': config['bos_token_id'], 'eos_token_id': config['eos_token_id']}
-    if 'pad_token_id' in config:
+    if config['pad_token_id'] is not None:
         gen_cfg['pad_token_id'] = config['pad_token_id']
     return GGUFModel(config, state_dict, tokenizer, tok_cfg, gen_cfg)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lmd.conversion import conversion_source
-from lmd.gguf_model import gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads, unpermute_rope
+from lmd.gguf_model import gguf_arch, gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads, unpermute_rope
 
 from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q4_k, from_gguf_q8_0
 from .schema import CHECKPOINT_FUSED, LINEARS
@@ -50,7 +50,7 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
     takes them from the dequantized model)."""
     reader = _open(path)
     meta = gguf_metadata(reader, path)
-    permuted, arch = rope_permuted_heads(meta), meta.get('general.architecture')
+    permuted, arch = rope_permuted_heads(meta), gguf_arch(meta)
     heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
     out = {}
     for t in reader.tensors:
@@ -125,7 +125,7 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     undone (whole rows move). Other tensors are left out (the caller takes them in float)."""
     reader = _open(path)
     meta = gguf_metadata(reader, path)
-    permuted, arch = rope_permuted_heads(meta), meta.get('general.architecture')
+    permuted, arch = rope_permuted_heads(meta), gguf_arch(meta)
     heads = None if permuted is None else dict(zip(('q_proj.weight', 'k_proj.weight'), permuted))
     tensors = {t.name: t for t in reader.tensors}
     head = 'output.weight' if 'output.weight' in tensors else 'token_embd.weight'

@@ -1,0 +1,200 @@
+"""GGUF files of SmolLM3, Gemma 2 / 3 and the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE), written as
+llama.cpp's converter writes them, read by both engines and compared with HF float32 on the same weights.
+
+What the converter does that the reader undoes: q/k rows permuted to interleaved RoPE pairs (the
+'llama' layout: SmolLM3, Mixtral); Gemma's RMSNorm weights stored as (1 + w); the experts of a layer
+stacked into one tensor per matmul (``ffn_gate_exps`` [E, I, H] ...), here in Q8_0 blocks, Qwen2-MoE's
+shared expert and its [1, H] gate beside them; a Mixtral is a 'llama' file with ``expert_count``. And
+what it leaves unsaid, which the reader fills in as llama.cpp assumes it: Gemma's score scale
+(head_dim ** -0.5), Gemma 3's local RoPE base 10000 and sliding pattern (5 in 6), SmolLM3's NoPE
+layer every 4th. The reference is transformers' model loaded from the directory the GGUF converts to,
+so both sides run the dequantized Q8_0 experts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from lmd.model_config import ModelConfig
+from lmd.model_loader import load_weights
+from lmd.model_path import prepare_model_dir
+from lmd.pytorch_backend.models import build_model
+from lmd.turbomind.model import TurbomindModel
+from lmd.weights.turbomind_layout import load_fused
+from test_families import tokens
+from test_model_loading import add_tiny_tokenizer
+from test_models import hf_logits, run_chunked
+from test_turbomind_model import BLOCK_SIZE, tm_chunked
+from tiny_models import tiny_hf_model
+
+BASE = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=256, eos_token_id=257)
+MOE = dict(num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+# family -> (GGUF arch, HF config class, HF model class, config fields)
+FAMILIES = {
+    'smollm3': ('smollm3', 'SmolLM3Config', 'SmolLM3ForCausalLM',
+                dict(num_hidden_layers=4, intermediate_size=96, no_rope_layer_interval=4, tie_word_embeddings=True)),
+    'gemma2': ('gemma2', 'Gemma2Config', 'Gemma2ForCausalLM',
+               dict(num_hidden_layers=2, intermediate_size=96, sliding_window=8, query_pre_attn_scalar=16)),
+    'gemma3': ('gemma3', 'Gemma3TextConfig', 'Gemma3ForCausalLM',
+               dict(num_hidden_layers=6, intermediate_size=96, sliding_window=8, query_pre_attn_scalar=16,
+                    rope_theta=100000.0, rope_local_base_freq=10000.0)),
+    'mixtral': ('llama', 'MixtralConfig', 'MixtralForCausalLM',
+                dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    'qwen2_moe': ('qwen2moe', 'Qwen2MoeConfig', 'Qwen2MoeForCausalLM',
+                  dict(MOE, shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    'qwen3_moe': ('qwen3moe', 'Qwen3MoeConfig', 'Qwen3MoeForCausalLM', dict(MOE, norm_topk_prob=True)),
+}
+PERMUTED = ('llama', 'smollm3')  # archs whose q/k rows llama.cpp permutes
+EXPERT = re.compile(r'^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.([a-z0-9_]+)\.weight$')
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row permutation of q / k: each head's half-split RoPE pairs made interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
+    """The saved checkpoint's tensors by HF name, a layer's experts stacked under
+    ``...experts.<matmul>`` [E, N, K] as llama.cpp's converter stacks them."""
+    flat = {k: v.float().numpy() for k, v in load_file(os.path.join(model_dir, 'model.safetensors')).items()}
+    out, experts = {}, {}
+    for name, a in flat.items():
+        m = EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1) + m.group(3), {})[int(m.group(2))] = a
+        else:
+            out[name] = a
+    out.update({name: np.stack([parts[e] for e in range(len(parts))]) for name, parts in experts.items()})
+    return out
+
+
+def write_gguf(model_dir: str, arch: str, path: str) -> None:
+    """The HF model in ``model_dir`` as llama.cpp's converter writes it: F32 tensors, experts in Q8_0."""
+    with open(os.path.join(model_dir, 'config.json')) as f:
+        cfg = json.load(f)
+    layers, heads, kv_heads = cfg['num_hidden_layers'], cfg['num_attention_heads'], cfg['num_key_value_heads']
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg['max_position_embeddings'])
+    w.add_embedding_length(cfg['hidden_size'])
+    w.add_feed_forward_length(cfg['intermediate_size'])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(cfg['head_dim'])
+    w.add_value_length(cfg['head_dim'])
+    w.add_layer_norm_rms_eps(cfg['rms_norm_eps'])
+    rope = cfg.get('rope_parameters') or {}
+    rope = rope.get('full_attention', rope)
+    w.add_rope_freq_base(rope.get('rope_theta', cfg.get('rope_theta', 10000.0)))
+    if arch.startswith('gemma'):
+        w.add_sliding_window(cfg['sliding_window'])
+        if cfg.get('attn_logit_softcapping'):
+            w.add_attn_logit_softcapping(cfg['attn_logit_softcapping'])
+        if cfg.get('final_logit_softcapping'):
+            w.add_final_logit_softcapping(cfg['final_logit_softcapping'])
+    experts = cfg.get('num_experts') or cfg.get('num_local_experts')
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg['num_experts_per_tok'])
+        if 'moe_intermediate_size' in cfg:
+            w.add_expert_feed_forward_length(cfg['moe_intermediate_size'])
+        if cfg.get('shared_expert_intermediate_size'):
+            w.add_expert_shared_feed_forward_length(cfg['shared_expert_intermediate_size'])
+    add_tiny_tokenizer(w, cfg['vocab_size'])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    for name, a in hf_tensors(model_dir).items():
+        if name == 'lm_head.weight' and cfg.get('tie_word_embeddings'):
+            continue
+        base, kind = name.rsplit('.', 1) if name.endswith(('.weight', '.bias')) else (name, 'weight')
+        if arch in PERMUTED and base.endswith(('q_proj', 'k_proj')):
+            a = permute(a, heads if base.endswith('q_proj') else kv_heads)
+        if arch.startswith('gemma') and name.endswith('norm.weight'):
+            a = a + 1.0
+        gguf_name = f'{names.get_name(base)}.{kind}'
+        if a.ndim == 3:  # stacked experts: quantized, as real files hold them
+            w.add_tensor(gguf_name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope='module')
+def gguf_models(tmp_path_factory):
+    """family -> (HF float32 model on the GGUF's dequantized weights, the GGUF's converted directory, the
+    directory of the HF model the GGUF was written from)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            arch, cfg_name, model_name, extra = FAMILIES[family]
+            model, _ = tiny_hf_model(cfg_name, model_name, 0, **BASE, **extra)
+            src = str(tmp_path_factory.mktemp(family))
+            model.save_pretrained(src, safe_serialization=True)
+            path = os.path.join(src, f'tiny-{family}.gguf')
+            write_gguf(src, arch, path)
+            model_dir = prepare_model_dir(path)
+            ref = getattr(transformers, model_name).from_pretrained(model_dir, attn_implementation='eager',
+                                                                    dtype=torch.float32).eval()
+            cache[family] = (ref, model_dir, src)
+        return cache[family]
+    return get
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_config_and_weights_come_back(gguf_models, family):
+    """The converted directory is the HF model again: its config's family facts, and every weight (the
+    experts as their Q8_0 blocks dequantize)."""
+    ref, model_dir, source_dir = gguf_models(family)
+    config = ModelConfig.from_dir(model_dir)
+    assert config.architecture == FAMILIES[family][2]
+    source = ref.config
+    if family.startswith('gemma'):
+        assert config.layer_windows == tuple(8 if t == 'sliding_attention' else 0 for t in source.layer_types)
+        assert config.attention_scale == 16 ** -0.5 and config.norm_offset == 1.0
+    if family == 'gemma3':
+        assert config.layer_windows == (8,) * 5 + (0,) and config.rope_local_theta == 10000.0
+    if family == 'smollm3':
+        assert config.rope_layers == (True, True, True, False)
+    if config.moe is not None:
+        assert (config.moe.num_experts, config.moe.top_k) == (4, 2)
+        assert config.moe.norm_topk_prob == (family != 'qwen2_moe')
+        assert config.moe.shared_intermediate_size == (48 if family == 'qwen2_moe' else 0)
+    weights = load_weights(model_dir, torch.float32)
+    original = load_file(os.path.join(source_dir, 'model.safetensors'))
+    assert set(weights) == set(original) - ({'lm_head.weight'} if config.tie_word_embeddings else set())
+    for name, t in weights.items():
+        want = original[name].float()
+        # the experts went through Q8_0: within half a step, (block max) / 127 / 2, of each value
+        tol = want.abs().max().item() / 254 * 1.01 if '.experts.' in name else 1e-6
+        assert (t - want).abs().max().item() <= tol, name
+
+
+@pytest.mark.parametrize('engine', ['pytorch', 'turbomind'])
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_logits_match_hf(gguf_models, family, engine):
+    """Teacher-forced logits past the sliding window (40 tokens, window 8), prefill in chunks then decode."""
+    ref, model_dir, _ = gguf_models(family)
+    toks = tokens(40, seed=5)
+    want = hf_logits(ref, toks)
+    config = ModelConfig.from_dir(model_dir)
+    if engine == 'turbomind':
+        tensors, _ = load_fused(model_dir, config, torch.float32)
+        got = tm_chunked(TurbomindModel.from_fused(config, tensors, torch.float32, 64, BLOCK_SIZE), toks, [7, 4])
+    else:
+        got = run_chunked(build_model(config, load_weights(model_dir, torch.float32), torch.float32), toks, [7, 4])
+    assert want.abs().max() > 1.0
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-3, f'{engine} {family}: max |logit diff| vs HF = {diff}'
