@@ -8,7 +8,17 @@ linears sharing an input (``scales.smooth_groups``):
    error ||x W^T - (x / s) Q(W s)^T||^2 on a fixed sample of the calibration tokens decides r
    (computed from the sample's gram matrix x^T x, so a step costs N K^2, not rows N K).
    r = 0 is plain round-to-nearest, so the search never does worse than RTN on that sample.
-   1/s is folded into the producer (norm weight or preceding linear).
+   1/s is folded into the producer (norm weight or preceding linear). Three choices make the
+   scales hold up on text of another kind than the calibration's (``benchmark/lite_quality.py``
+   measures it on Python source after calibrating on prose):
+   - the grams are damped toward their mean diagonal (``GRAM_DAMP``): the search fits the
+     calibration text's channel correlations less closely;
+   - gate_proj / up_proj are searched by the error of the MLP's output (silu(x G^T) * (x U^T)
+     through down_proj, on ``MLP_ROWS`` of the sample), not of their own outputs: an error in the
+     gate matters as much as silu's slope and the up value let it through, as AutoAWQ measures a
+     block's output;
+   - o_proj is scaled under GQA too, its scales tied across the query heads that read one KV
+     head (``scales.SmoothGroup.expand``), so that v_proj can take 1/s.
 2. clip search (``search_clip``, AutoAWQ's auto_clip): per output channel and group, the weight
    range is shrunk to (1 - i/20) of its max, i < 10, where that lowers the group's partial output
    error; q_proj and k_proj are left alone (their errors are amplified by the softmax).
@@ -34,6 +44,8 @@ from .scales import fold_scales, group_weight, smooth_groups
 
 N_GRID = 20
 SEARCH_ROWS = 4096   # calibration tokens per linear kept for the searches
+MLP_ROWS = 2048      # of those, the ones the MLP-output search runs
+GRAM_DAMP = 0.1      # of the gram's mean diagonal, added to its diagonal for the searches
 KERNEL_GROUP = 32    # TurboMind's W4A16 kernel takes group sizes that are multiples of this
 
 
@@ -75,20 +87,42 @@ def output_error(dw: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return ((dw @ gram) * dw).sum(-1)
 
 
+def damped(gram: torch.Tensor, damp: float = GRAM_DAMP) -> torch.Tensor:
+    """gram + damp * mean(diag gram) * I."""
+    return gram + damp * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
+
+
 def search_scale(gram: torch.Tensor, w: torch.Tensor, absmean: torch.Tensor, group_size: int, sym: bool = False,
-                 ratios=None) -> tuple[torch.Tensor, float, list[float]]:
-    """gram [K, K] of the inputs x (x^T x / rows), w [N, K] the group's weights, absmean [K] ->
-    (s [K], best r, the output error at each r). The error of x W^T against (x / s) Q(W s)^T is
-    that of the weight difference Q(W s) / s - W, a quadratic form in the gram."""
+                 ratios=None, error=None, spread=None) -> tuple[torch.Tensor, float, list[float]]:
+    """gram [K, K] of the inputs x (x^T x / rows), w [N, K] the group's weights, absmean [C] per
+    producer channel -> (s [C], best r, the error at each r). ``spread(s)`` gives the scale of each
+    of the K inputs (default: s itself). The error of x W^T against (x / s) Q(W s)^T is that of the
+    weight difference Q(W s) / s - W, a quadratic form in the gram; ``error(wq)``, given the group's
+    fake-quantized weights Q(W s) / s [N, K], replaces it."""
     ratios = [i / N_GRID for i in range(N_GRID)] if ratios is None else ratios
     errors, best = [], None
     for r in ratios:
         s = absmean.clamp(min=1e-4).pow(r)
         s = s / (s.max() * s.min()).sqrt()
-        errors.append(output_error(fake_quantize_w4(w * s, group_size, sym) / s - w, gram).mean().item())
+        sk = s if spread is None else spread(s)
+        wq = fake_quantize_w4(w * sk, group_size, sym) / sk
+        errors.append(output_error(wq - w, gram).mean().item() if error is None else error(wq))
         if best is None or errors[-1] < best[0]:
             best = errors[-1], s, r
     return best[1], best[2], errors
+
+
+def mlp_output_error(mlp, x: torch.Tensor):
+    """error(wq) for the gate/up group of ``mlp`` over inputs x [rows, H]: the mean squared error of
+    the MLP's output when gate_proj and up_proj (stacked in wq [2 I, H]) are replaced by wq."""
+    gate, up, down = (m.weight.detach().float() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    x = x.float()
+    ref = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+
+    def error(wq: torch.Tensor) -> float:
+        g, u = wq.split(len(gate))
+        return ((torch.nn.functional.silu(x @ g.T) * (x @ u.T) - ref) @ down.T).pow(2).mean().item()
+    return error
 
 
 def search_clip(gram: torch.Tensor, w: torch.Tensor, group_size: int, sym: bool = False) -> torch.Tensor:
@@ -139,15 +173,20 @@ def awq_layer(layer, stats, group_size: int, sym: bool = False, ratios=None, cli
     """Search and fold the scales of one decoder layer (and clip its weights) in place; returns
     per group {'linears', 'ratio', 'errors'}."""
     log = []
-    for producer, linears, name in smooth_groups(layer):
-        x = stats[name].samples
-        gram = x.T @ x / len(x)
-        s, ratio, errors = search_scale(gram, group_weight(linears), stats[name].absmean, group_size, sym, ratios)
-        fold_scales(producer, linears, s)
-        log.append({'linears': name, 'ratio': ratio, 'errors': errors})
-        if clip and name != 'self_attn.q_proj':  # q_proj and k_proj stay unclipped
-            gram_scaled = gram / s[:, None] / s[None, :]  # of the scaled inputs x / s
-            for linear in linears:
+    for group in smooth_groups(layer, tied=True):
+        x = stats[group.name].samples
+        gram = damped(x.T @ x / len(x))
+        error = mlp_output_error(layer.mlp, x[:MLP_ROWS]) if group.name == 'mlp.gate_proj' else None
+        s, ratio, errors = search_scale(gram, group_weight(group.linears), group.tie(stats[group.name].absmean),
+                                        group_size, sym, ratios, error, group.spread)
+        fold_scales(group.producer, group.linears, s, group.expand)
+        log.append({'linears': group.name, 'ratio': ratio, 'errors': errors})
+        if clip:
+            sk = group.spread(s)
+            gram_scaled = gram / sk[:, None] / sk[None, :]  # of the scaled inputs x / s
+            for linear in group.linears:
+                if linear in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    continue  # their errors are amplified by the softmax
                 m = search_clip(gram_scaled, linear.weight.float(), group_size, sym)
                 w = linear.weight.reshape(m.shape[0], m.shape[1], -1)
                 w.copy_(torch.maximum(torch.minimum(w, m.to(w.dtype)), -m.to(w.dtype)))

@@ -244,10 +244,28 @@ def test_awq_beats_rtn_on_a_model_with_outlier_channels(tmp_path, smollm2_dir):
     ratios = []
     out = auto_awq(str(tmp_path / 'model'), str(tmp_path / 'awq'), w_group_size=32, **CALIB,
                    log=lambda i, groups: ratios.extend(g['ratio'] for g in groups))
-    assert len(ratios) == 2 * 3 and max(ratios) > 0  # GQA: no o_proj group
+    assert len(ratios) == 2 * 4 and max(ratios) > 0  # o_proj's group too, its scales tied under GQA
     toks = tokens()
     awq_err, rtn_err = rel_error(out, model, toks), rel_error(rtn, model, toks)
     assert awq_err < 0.85 * rtn_err, (awq_err, rtn_err)
+
+
+@torch.no_grad()
+def test_tied_o_proj_scales_keep_the_float_output():
+    """Under GQA o_proj's input channel (h, d) reads v_proj's output (kv(h), d): folding one scale per
+    v output, spread over the query heads that read it, leaves the layer's output as it was."""
+    from lmd.lite.scales import fold_scales, smooth_groups
+    model, _ = tiny_hf_model('LlamaConfig', 'LlamaForCausalLM', vocab_size=64, hidden_size=64, intermediate_size=96,
+                             num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2)
+    layer = model.model.layers[0]
+    assert [g.name for g in smooth_groups(layer)] == ['self_attn.q_proj', 'mlp.gate_proj', 'mlp.down_proj']
+    group = smooth_groups(layer, tied=True)[1]
+    assert group.name == 'self_attn.o_proj' and group.expand.tolist()[:16] == [*range(8), *range(8)]
+    assert group.expand.tolist()[32:40] == list(range(8, 16))  # heads 4..7 read KV head 1
+    ids = torch.randint(0, 64, (1, 12))
+    want = model(ids).logits
+    fold_scales(group.producer, group.linears, torch.rand(16) * 3 + 0.2, group.expand)
+    assert (model(ids).logits - want).abs().max().item() < 1e-4
 
 
 def test_bad_awq_arguments(tmp_path, tiny_dirs, smollm2_dir):
