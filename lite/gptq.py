@@ -4,6 +4,11 @@ compensated by the columns not yet quantized.
 Layer by layer over the calibration samples (``calibrate.LayerwiseRunner``), each layer given
 what the already-quantized layers before it output:
 
+0. (``search_scale``, the default) AWQ's scale and clip searches (``awq.awq_layer``) on those
+   inputs first: activation scales folded into the producers, weight ranges clipped. GPTQ then
+   compensates the rounding of weights that quantize better to begin with; on SmolLM2 at g64 the
+   two together close about 75% of round-to-nearest's perplexity gap on both held-out texts,
+   either alone about 55%;
 1. the layer runs over every sample with hooks summing H = X^T X / rows of each input that
    linears share (``GROUPS``: q/k/v, o, gate/up, down);
 2. each group of linears (stacked along the outputs: the same columns, the same H) is quantized
@@ -36,9 +41,11 @@ from __future__ import annotations
 
 import torch
 
-from .awq import check_bits, check_group_size, dequantize_w4, group_params
+from lmd.weights.schema import LINEARS
+
+from .awq import SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
 from .calib_data import BUILTIN, calib_tokens
-from .calibrate import LayerwiseRunner, load_float_model
+from .calibrate import InputStats, LayerwiseRunner, load_float_model
 from .checkpoint import float_tensors, write_checkpoint
 
 GROUPS = (('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'), ('self_attn.o_proj',),
@@ -124,9 +131,30 @@ def to_gptq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[
 
 
 @torch.no_grad()
-def gptq_layer(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = False, damp: float = DAMP) -> dict:
-    """Quantize decoder layer ``i`` in place on the inputs ``runner`` holds, then push them through it;
-    returns its linears' (q, scales, zeros) by their names in the layer (``mlp.down_proj``)."""
+def search_scales(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = False) -> list[dict]:
+    """AWQ's scale and clip searches on decoder layer ``i`` over the inputs ``runner`` holds, folded
+    into the layer in place (its float output kept but for the clipping); returns awq_layer's log."""
+    layer = runner.layers[i]
+    num_batches = -(-len(runner.hidden) // runner.batch_size)
+    stats = {name: InputStats(SEARCH_ROWS, num_batches) for name in LINEARS}
+    hooks = [layer.get_submodule(name).register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
+             for name in LINEARS]
+    try:
+        runner.run(i, update=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return awq_layer(layer, stats, group_size, sym, clip=True)
+
+
+@torch.no_grad()
+def gptq_layer(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = False, damp: float = DAMP,
+               search_scale: bool = True) -> dict:
+    """Quantize decoder layer ``i`` in place on the inputs ``runner`` holds (after AWQ's searches with
+    ``search_scale``), then push them through it; returns its linears' (q, scales, zeros) by their
+    names in the layer (``mlp.down_proj``)."""
+    if search_scale:
+        search_scales(runner, i, group_size, sym)
     layer = runner.layers[i]
     hessians = {names: Hessian() for names in GROUPS}
     hooks = [layer.get_submodule(names[0]).register_forward_hook(lambda m, args, out, hs=hs: hs.add(args[0]))
@@ -157,9 +185,9 @@ def _quant_config(w_group_size: int, w_sym: bool) -> dict:
 
 def gptq(model: str, work_dir: str, calib_dataset: str = BUILTIN, calib_samples: int = 128, calib_seqlen: int = 512,
          batch_size: int = 4, w_bits: int = 4, w_sym: bool = False, w_group_size: int = 128, damp: float = DAMP,
-         dtype: str = 'float32', log=None) -> str:
-    """Quantize ``model`` with GPTQ (see the module doc) into ``work_dir``; returns its path.
-    ``log(i, seconds)`` after each layer."""
+         dtype: str = 'float32', log=None, search_scale: bool = True) -> str:
+    """Quantize ``model`` with GPTQ (see the module doc; ``search_scale``: AWQ's searches first) into
+    ``work_dir``; returns its path. ``log(i, seconds)`` after each layer."""
     import time
     check_bits(w_bits)
     if not 0 <= damp < 1:
@@ -170,7 +198,7 @@ def gptq(model: str, work_dir: str, calib_dataset: str = BUILTIN, calib_samples:
     tensors = {}
     for i in range(len(runner.layers)):
         start = time.perf_counter()
-        for name, packed in gptq_layer(runner, i, w_group_size, w_sym, damp).items():
+        for name, packed in gptq_layer(runner, i, w_group_size, w_sym, damp, search_scale).items():
             for field, t in to_gptq(*packed).items():
                 tensors[f'model.layers.{i}.{name}.{field}'] = t
         if log is not None:

@@ -70,10 +70,10 @@ def auto_awq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_s
 
 def gptq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_samples: int = 128,
          calib_seqlen: int = 512, batch_size: int = 4, w_bits: int = 4, w_sym: bool = False, w_group_size: int = 128,
-         damp: float = 0.1, dtype: str = 'float32'):
+         damp: float = 0.1, search_scale: bool = True, dtype: str = 'float32'):
     """Quantize a model's matmul weights to 4 bits with GPTQ (each column's rounding error compensated
-    by the columns after it, layer by layer on the quantized layers' outputs) and write an AutoGPTQ
-    (v1) checkpoint.
+    by the columns after it, layer by layer on the quantized layers' outputs; AWQ's scale and clip
+    searches first) and write an AutoGPTQ (v1) checkpoint.
 
     Args:
         model: a float Llama / Qwen2 / Qwen3 / Mistral model directory, or 'smollm2'.
@@ -86,6 +86,8 @@ def gptq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_sampl
         w_sym: symmetric weights (zero points of 8).
         w_group_size: input channels per quantization group, a multiple of 32 dividing every layer's in_features.
         damp: added to the Hessian's diagonal, as a fraction of its mean (GPTQ's percdamp).
+        search_scale: fold AWQ's activation scales and clip the weight ranges of each layer before GPTQ
+            rounds it (the default); --nosearch-scale runs GPTQ alone.
         dtype: float32, bfloat16 or float16 for the model while calibrating.
     """
     from lmd.lite.gptq import gptq
@@ -93,7 +95,7 @@ def gptq(model: str, work_dir: str, *, calib_dataset: str = 'pydoc', calib_sampl
     def log(i, seconds):
         print(f'layer {i}: {seconds:.1f} s', file=sys.stderr, flush=True)
     path = gptq(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits, w_sym, w_group_size,
-                damp, dtype, log)
+                damp, dtype, log, search_scale)
     print(f'wrote {path}')
 
 
