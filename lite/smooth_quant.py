@@ -32,8 +32,9 @@ def smooth_scale(act_absmax: torch.Tensor, w: torch.Tensor, alpha: float) -> tor
 
 @torch.no_grad()
 def smooth_layer(layer, stats, alpha: float) -> None:
-    for producer, linears, name in smooth_groups(layer):
-        fold_scales(producer, linears, smooth_scale(stats[name].absmax, group_weight(linears), alpha))
+    for group in smooth_groups(layer):
+        fold_scales(group.producer, group.linears,
+                    smooth_scale(stats[group.name].absmax, group_weight(group.linears), alpha))
 
 
 def w8a8_tensors(model) -> dict[str, torch.Tensor]:
