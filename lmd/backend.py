@@ -20,8 +20,9 @@ CONFIGS: dict[str, type[EngineConfig]] = {'turbomind': TurbomindEngineConfig, 'p
 TURBOMIND_ARCHITECTURES = frozenset({
     'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'SmolLM3ForCausalLM',
     'Phi3ForCausalLM', 'Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM',
-    'Qwen3MoeForCausalLM'})
-TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'})
+    'Qwen3MoeForCausalLM', 'DeepseekV2ForCausalLM', 'Olmo2ForCausalLM', 'GlmForCausalLM', 'Glm4ForCausalLM',
+    'GptOssForCausalLM'})
+TURBOMIND_FORMATS = frozenset({'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'mxfp4', 'gguf'})
 TURBOMIND_DEVICES = frozenset({'cpu'})
 
 

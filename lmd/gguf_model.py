@@ -39,6 +39,8 @@ GGUF_ARCHITECTURES = {
     'gemma3': ('Gemma3ForCausalLM', 'gemma3_text', False),
     'qwen2moe': ('Qwen2MoeForCausalLM', 'qwen2_moe', False),
     'qwen3moe': ('Qwen3MoeForCausalLM', 'qwen3_moe', False),
+    'olmo2': ('Olmo2ForCausalLM', 'olmo2', False),
+    'glm4': ('Glm4ForCausalLM', 'glm4', False),  # interleaved RoPE in HF and llama.cpp alike: rows as HF's
 }
 MIXTRAL = ('MixtralForCausalLM', 'mixtral', True)
 _GEMMA_ARCHS = ('gemma2', 'gemma3')
@@ -65,7 +67,7 @@ _BLOCK_NAMES = {
     'ffn_norm': 'post_attention_layernorm',
 }
 # where an architecture names a block tensor otherwise: Phi-3 keeps q/k/v and gate/up fused (its
-# ffn_up is HF's gate_up_proj, gate rows first); Gemma norms the attention's output
+# ffn_up is HF's gate_up_proj, gate rows first); OLMo 2 and GLM-4 below; Gemma norms the attention's output
 # (post_attention_norm), before the MLP (ffn_norm) and the MLP's output (post_ffw_norm); a MoE
 # layer's router (ffn_gate_inp) and experts stacked into one tensor per matmul (``*_exps``
 # [E, N, K]: ``STACKED_EXPERTS`` names, one HF tensor per expert), Qwen2-MoE's shared expert and its gate
@@ -77,6 +79,11 @@ _QWEN_MOE_NAMES = {'ffn_gate_inp': 'mlp.gate', 'ffn_gate_exps': 'mlp.experts.gat
                    'ffn_down_shexp': 'mlp.shared_expert.down_proj', 'ffn_gate_inp_shexp': 'mlp.shared_expert_gate'}
 _ARCH_BLOCK_NAMES = {
     'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
+    # OLMo 2 norms only the attention's and the MLP's outputs; GLM-4 norms before and after both,
+    # its ffn_up HF's fused gate_up_proj
+    'olmo2': {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'},
+    'glm4': {'post_attention_norm': 'post_self_attn_layernorm', 'ffn_norm': 'post_attention_layernorm',
+             'post_ffw_norm': 'post_mlp_layernorm', 'ffn_up': 'mlp.gate_up_proj'},
     'gemma2': _GEMMA_NAMES,
     'gemma3': _GEMMA_NAMES,
     'qwen2moe': _QWEN_MOE_NAMES,

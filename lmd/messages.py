@@ -152,7 +152,7 @@ class EngineConfig:
         _check_choice(c, 'quant_policy', self.quant_policy, (0, 4, 8))
         _check_range(c, 'tp', self.tp, lo=1, integer=True)
         _check_choice(c, 'model_format', self.model_format,
-                      (None, 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'gguf'))
+                      (None, 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'mxfp4', 'gguf'))
         _check_choice(c, 'dtype', self.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
         if self.max_prefill_token_num is not None:
             _check_range(c, 'max_prefill_token_num', self.max_prefill_token_num, lo=1, integer=True)

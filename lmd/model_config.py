@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 from .errors import ModelFormatError
 
 # HF architecture name -> our family name; all are decoder-only Llama-style models (Phi-3 stores
-# q/k/v and gate/up fused; SmolLM3 leaves RoPE out of some layers; Gemma adds norms, GeGLU, soft-capping).
+# q/k/v and gate/up fused; SmolLM3 leaves RoPE out of some layers; Gemma adds norms, GeGLU, soft-capping;
+# OLMo 2 norms only outputs; GLM rotates interleaved pairs of part of each head).
 SUPPORTED_ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',
     'MistralForCausalLM': 'mistral',
@@ -19,14 +21,29 @@ SUPPORTED_ARCHITECTURES = {
     'Phi3ForCausalLM': 'phi3',
     'Gemma2ForCausalLM': 'gemma2',
     'Gemma3ForCausalLM': 'gemma3',
-    # mixture of experts (``MoeConfig``): the PyTorch engine runs them, TurboMind not yet
+    'Olmo2ForCausalLM': 'olmo2',
+    'GlmForCausalLM': 'glm',
+    'Glm4ForCausalLM': 'glm4',
+    # mixture of experts (``MoeConfig``), in both engines
     'MixtralForCausalLM': 'mixtral',
     'Qwen2MoeForCausalLM': 'qwen2_moe',
     'Qwen3MoeForCausalLM': 'qwen3_moe',
+    # experts on every layer with biases and a clamped SwiGLU, attention sinks (``ModelConfig.attention_sinks``)
+    'GptOssForCausalLM': 'gpt_oss',
+    # multi-head latent attention (``MlaConfig``) and experts with grouped routing, in both engines
+    'DeepseekV2ForCausalLM': 'deepseek_v2',
 }
 # families whose config switches its sliding window on and off (use_sliding_window, HF's default False)
 _WINDOW_SWITCHED = ('qwen2', 'qwen3', 'smollm3', 'qwen2_moe', 'qwen3_moe')
 _GEMMA = ('gemma2', 'gemma3')
+# the norm and RoPE switches of OLMo 2 and GLM (HF's olmo2, glm, glm4 modeling): OLMo 2 has no pre-norms,
+# RMS-normalises the attention's and the MLP's outputs and q / k over all their heads at once; GLM
+# rotates adjacent pairs (GPT-J style), GLM-4 also norms both outputs
+_FAMILY_SWITCHES = {
+    'olmo2': dict(pre_norms=False, sandwich_norms=True, qk_norm_all_heads=True),
+    'glm': dict(rope_interleaved=True),
+    'glm4': dict(rope_interleaved=True, sandwich_norms=True),
+}
 # Gemma's sliding layers when config.json has no layer_types: all but every n-th (HF's
 # sliding_window_pattern; Gemma 2 alternates, its first layer sliding)
 _SLIDING_PATTERN = {'gemma2': 2, 'gemma3': 6}
@@ -34,7 +51,7 @@ _SLIDING_PATTERN = {'gemma2': 2, 'gemma3': 6}
 # config.json's quantization_config.quant_method -> lmd's model_format (LMDeploy's and vLLM's names);
 # the layouts are described in lmd/weights/quant_layouts.py and source_format.py.
 QUANT_METHODS = {'awq': 'awq', 'smooth_quant': 'w8a8', 'gptq': 'gptq', 'compressed-tensors': 'compressed-tensors',
-                 'fp8': 'fp8'}
+                 'fp8': 'fp8', 'mxfp4': 'mxfp4'}
 QUANTIZED_FORMATS = frozenset(QUANT_METHODS.values())
 
 
@@ -45,7 +62,8 @@ class ModelConfigError(ModelFormatError):
 @dataclass(frozen=True)
 class MoeConfig:
     """A mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token
-    (softmax, then top-k; their weights renormalised to sum 1 with ``norm_topk_prob``), beside an
+    (softmax, then top-k; their weights renormalised to sum 1 with ``norm_topk_prob``; gpt-oss the other
+    way round, ``topk_method`` 'topk_softmax'), beside an
     always-on shared expert gated by a sigmoid where ``shared_intermediate_size`` > 0 (Qwen2-MoE)."""
     num_experts: int
     top_k: int
@@ -53,6 +71,41 @@ class MoeConfig:
     norm_topk_prob: bool
     shared_intermediate_size: int  # 0: no shared expert
     sparse_layers: tuple[bool, ...]  # per layer: the MoE MLP (False: a dense MLP of ModelConfig.intermediate_size)
+    # DeepSeek-V2's routing ('greedy' or 'group_limited_greedy'): the top-k weights times
+    # ``routed_scaling_factor``; 'group_limited_greedy' picks the ``topk_groups`` of ``num_groups`` expert
+    # groups with the best expert first, then top-k inside them
+    routed_scaling_factor: float = 1.0
+    topk_method: str = 'greedy'
+    num_groups: int = 1
+    topk_groups: int = 1
+    shared_gate: bool = True       # the shared expert's output scaled by sigmoid(gate(x)) (Qwen2-MoE); False: added as is
+    # gpt-oss: 'topk_softmax' routing (top-k of the router's logits, then a softmax over those k), a bias on
+    # the router and on each expert's matmuls, and its clamped SwiGLU: gate = min(gate, limit),
+    # up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: silu(gate) * up
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek-V2's multi-head latent attention: q from ``q_proj`` (or the low-rank ``q_a_proj`` ->
+    RMSNorm -> ``q_b_proj`` where ``q_lora_rank`` is set), per head ``qk_nope_head_dim`` plain dims and
+    ``qk_rope_head_dim`` rotated ones; every head's keys and values come from one per-token latent,
+    ``kv_lora_rank`` dims (RMS-normed) plus one shared rotated key of ``qk_rope_head_dim``: that row is what
+    the KV cache holds (``lmd.weights.mla``)."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float           # (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim) squared
+
+    @property
+    def cache_dim(self) -> int:
+        """Elements of one token's cached row: the normed latent, then the rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -79,7 +132,8 @@ class ModelConfig:
     quantization_config: dict | None = None
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE on q and k (SmolLM3's NoPE layers: False); (): every layer
     sliding_window: int | None = None   # each token attends to at most this many (itself included); None: all
-    moe: MoeConfig | None = None        # the experts of Mixtral, Qwen2-MoE, Qwen3-MoE; None: dense MLPs
+    moe: MoeConfig | None = None        # Mixtral's, Qwen2/3-MoE's, DeepSeek-V2's, gpt-oss's experts; None: dense
+    mla: MlaConfig | None = None        # DeepSeek-V2's latent attention; None: q/k/v heads
     # Gemma's switches (HF's Gemma2/Gemma3 modeling); the defaults are Llama's
     norm_offset: float = 0.0            # every RMSNorm scales by (norm_offset + weight): Gemma's 1 + w
     sandwich_norms: bool = False        # RMSNorm on the attention's and the MLP's outputs too
@@ -89,6 +143,11 @@ class ModelConfig:
     attn_softcap: float = 0.0           # attention scores -> tanh(s / cap) * cap (Gemma 2); 0: none
     logit_softcap: float = 0.0          # final logits likewise
     rope_local_theta: float | None = None  # the sliding layers' own RoPE base, unscaled (Gemma 3); None: one table
+    # OLMo 2's and GLM's switches (_FAMILY_SWITCHES); the defaults are Llama's
+    pre_norms: bool = True              # RMSNorm on the attention's and the MLP's inputs (OLMo 2: none)
+    qk_norm_all_heads: bool = False     # qk_norm over all of q's / k's heads at once (OLMo 2), not per head
+    rope_interleaved: bool = False      # RoPE rotates pairs (2i, 2i + 1), not (i, i + rot / 2): GLM
+    attention_sinks: bool = False       # a learned logit per head joins each softmax's denominator (gpt-oss)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -122,6 +181,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What q · k is multiplied by before the softmax (and the soft-cap)."""
+        if self.mla is not None:
+            return self.mla.softmax_scale
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -185,14 +246,17 @@ class ModelConfig:
                 num_layers=int(cfg['num_hidden_layers']),
                 num_heads=num_heads,
                 num_kv_heads=int(cfg.get('num_key_value_heads') or num_heads),
-                head_dim=int(cfg.get('head_dim') or hidden // num_heads),
+                # DeepSeek-V2: the rotated dims (HF's head_dim, the RoPE table's width)
+                head_dim=int(cfg['qk_rope_head_dim'] if family == 'deepseek_v2' else
+                             cfg.get('head_dim') or hidden // num_heads),
                 rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
                 rope_theta=float(rope_theta or 10000.0),
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
                 tie_word_embeddings=bool(cfg.get('tie_word_embeddings', family in _GEMMA)),
-                attention_bias=bool(cfg.get('attention_bias', cfg.get('qkv_bias', family in ('qwen2', 'qwen2_moe')))),
-                qk_norm=family in ('qwen3', 'qwen3_moe', 'gemma3'),
+                attention_bias=bool(cfg.get('attention_bias', cfg.get('qkv_bias',
+                                                                       family in ('qwen2', 'qwen2_moe', 'gpt_oss')))),
+                qk_norm=family in ('qwen3', 'qwen3_moe', 'gemma3', 'olmo2'),
                 bos_token_id=cfg.get('bos_token_id'),
                 eos_token_ids=eos_ids,
                 torch_dtype=dtype if dtype in ('float32', 'bfloat16', 'float16') else 'float32',
@@ -200,8 +264,11 @@ class ModelConfig:
                 rope_layers=_rope_layers(cfg, family),
                 sliding_window=_sliding_window(cfg, family),
                 moe=_moe_config(cfg, family),
+                mla=_mla_config(cfg, rope_scaling) if family == 'deepseek_v2' else None,
+                attention_sinks=family == 'gpt_oss',
                 raw=dict(cfg),
                 **(_gemma_fields(cfg, family, hidden, local_theta) if family in _GEMMA else {}),
+                **_FAMILY_SWITCHES.get(family, {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f'{where}: malformed model config ({type(e).__name__}: {e})') from None
@@ -258,7 +325,7 @@ def _gemma_fields(cfg: dict, family: str, hidden: int, local_theta: float | None
                 rope_local_theta=None if local_theta is None else float(local_theta))
 
 
-_MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')
+_MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v2', 'gpt_oss')
 
 
 def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
@@ -271,6 +338,9 @@ def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
     if family not in _MOE_FAMILIES:
         return None
     num_layers = int(cfg['num_hidden_layers'])
+    quant_method = (cfg.get('quantization_config') or {}).get('quant_method')
+    if family == 'gpt_oss' and quant_method == 'mxfp4':  # its experts dequantized at load (lmd.weights.mxfp4)
+        return _gpt_oss_moe_config(cfg, num_layers)
     if cfg.get('quantization_config'):
         raise ValueError(f'quantized {family} checkpoints are not supported yet (their experts would need '
                          'quantized grouped matmuls); use a float checkpoint')
@@ -278,6 +348,10 @@ def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported: the experts run SwiGLU ('silu')")
     if family == 'qwen2_moe' and cfg.get('use_sliding_window') and 'layer_types' not in cfg:
         raise ValueError('use_sliding_window without layer_types is not supported for Qwen2-MoE')
+    if family == 'deepseek_v2':
+        return _deepseek_moe_config(cfg, num_layers)
+    if family == 'gpt_oss':
+        return _gpt_oss_moe_config(cfg, num_layers)
     if family == 'mixtral':
         num_experts, intermediate = int(cfg['num_local_experts']), int(cfg['intermediate_size'])
         norm_topk_prob, shared, sparse = True, 0, (True,) * num_layers
@@ -293,3 +367,72 @@ def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
         raise ValueError(f'num_experts_per_tok {top_k} must be in [1, {num_experts}] (the number of experts)')
     return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate,
                      norm_topk_prob=norm_topk_prob, shared_intermediate_size=shared, sparse_layers=sparse)
+
+
+def _deepseek_moe_config(cfg: dict, num_layers: int) -> MoeConfig:
+    """DeepSeek-V2's experts: ``n_routed_experts`` of ``moe_intermediate_size`` on the layers from
+    ``first_k_dense_replace`` on (every ``moe_layer_freq``-th, as DeepSeek's own code; transformers has
+    no such setting and DeepSeek ships 1), ``n_shared_experts`` always-on experts fused into one of
+    ``n_shared_experts * moe_intermediate_size`` without a gate, routing by softmax then top-k
+    ('greedy') or top-k within the best ``topk_group`` of ``n_group`` groups ('group_limited_greedy'),
+    the weights times ``routed_scaling_factor``."""
+    num_experts, intermediate = int(cfg['n_routed_experts']), int(cfg['moe_intermediate_size'])
+    top_k = int(cfg['num_experts_per_tok'])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f'num_experts_per_tok {top_k} must be in [1, {num_experts}] (n_routed_experts)')
+    if cfg.get('norm_topk_prob'):
+        raise ValueError('norm_topk_prob=true is not supported for DeepSeek-V2: transformers ignores it while '
+                         "DeepSeek's code renormalises instead of scaling; its checkpoints ship false")
+    method = cfg.get('topk_method') or 'greedy'
+    groups, topk_groups = 1, 1
+    if method == 'group_limited_greedy':
+        groups, topk_groups = int(cfg['n_group']), int(cfg['topk_group'])
+        if num_experts % groups or not 1 <= topk_groups <= groups or top_k > topk_groups * (num_experts // groups):
+            raise ValueError(f'group_limited_greedy needs n_group {groups} dividing n_routed_experts {num_experts}, '
+                             f'topk_group {topk_groups} in [1, n_group] and num_experts_per_tok {top_k} within '
+                             'the experts of topk_group groups')
+    elif method != 'greedy':
+        raise ValueError(f"topk_method {method!r} is not supported: DeepSeek-V2 routes by 'greedy' or "
+                         "'group_limited_greedy'")
+    first, freq = int(cfg.get('first_k_dense_replace') or 0), int(cfg.get('moe_layer_freq') or 1)
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate, norm_topk_prob=False,
+                     shared_intermediate_size=intermediate * int(cfg.get('n_shared_experts') or 0),
+                     sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
+                     routed_scaling_factor=float(cfg.get('routed_scaling_factor', 1.0)), topk_method=method,
+                     num_groups=groups, topk_groups=topk_groups, shared_gate=False)
+
+
+def _gpt_oss_moe_config(cfg: dict, num_layers: int) -> MoeConfig:
+    """gpt-oss's experts (HF's GptOssMLP): ``num_local_experts`` of ``intermediate_size`` on every layer, the
+    router's top-k logits softmaxed (their weights sum to 1), biases on the router and the experts, the
+    SwiGLU clamped at ``swiglu_limit`` with ``swiglu_alpha`` in its sigmoid."""
+    num_experts, top_k = int(cfg['num_local_experts']), int(cfg['num_experts_per_tok'])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f'num_experts_per_tok {top_k} must be in [1, {num_experts}] (num_local_experts)')
+    limit = float(cfg.get('swiglu_limit', 7.0))
+    if not limit > 0:
+        raise ValueError(f'swiglu_limit {limit} must be > 0 (gpt-oss clamps its SwiGLU there)')
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=int(cfg['intermediate_size']),
+                     norm_topk_prob=True, shared_intermediate_size=0, sparse_layers=(True,) * num_layers,
+                     topk_method='topk_softmax', router_bias=True, expert_bias=True, swiglu_limit=limit,
+                     swiglu_alpha=float(cfg.get('swiglu_alpha', 1.702)))
+
+
+def _mla_config(cfg: dict, rope_scaling: dict | None) -> MlaConfig:
+    """DeepSeek-V2's attention sizes, and its softmax scale as transformers' ``yarn_apply_mscale``: under
+    a scaled RoPE with ``mscale_all_dim``, (nope + rope) ** -0.5 times (0.1 mscale_all_dim ln(factor) + 1)
+    squared. Biases on its matmuls (``attention_bias``) are not supported."""
+    if cfg.get('attention_bias') or cfg.get('mlp_bias'):
+        raise ValueError('attention_bias / mlp_bias are not supported for DeepSeek-V2 (its checkpoints have none)')
+    q_lora = cfg.get('q_lora_rank')
+    nope, rope = int(cfg['qk_nope_head_dim']), int(cfg['qk_rope_head_dim'])
+    if rope % 2:
+        raise ValueError(f'qk_rope_head_dim {rope} must be even (its dims rotate in pairs)')
+    scale = (nope + rope) ** -0.5
+    p = rope_scaling or {}
+    factor, mscale_all_dim = float(p.get('factor') or 1.0), float(p.get('mscale_all_dim') or 0.0)
+    if (p.get('rope_type') or p.get('type') or 'default') != 'default' and mscale_all_dim and factor > 1:
+        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return MlaConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg['kv_lora_rank']),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg['v_head_dim']),
+                     softmax_scale=scale)

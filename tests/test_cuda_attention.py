@@ -40,14 +40,14 @@ def quantize(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def run_both(q, k_cache, v_cache, tables, lens, scale, row_seqs=None, k_params=None, v_params=None,
-             workspace=None, window=0):
+             workspace=None, window=0, sinks=None):
     """(gpu out, cpu reference out) for the same inputs; the GPU output starts as NaN, so a row it
     never writes fails the comparison."""
     ref = torch.empty_like(q)
     ref_tables = tables if row_seqs is None else tables[row_seqs.long()].contiguous()
     quant = {} if k_params is None else dict(k_params=cap(k_params), v_params=cap(v_params))
     ops.paged_decode_attention(cap(q), cap(k_cache), cap(v_cache), cap(ref_tables), cap(lens), scale, cap(ref),
-                               reference=True, window=window, **quant)
+                               reference=True, window=window, sinks=None if sinks is None else cap(sinks), **quant)
     dev = [t.cuda() for t in (q, k_cache, v_cache, tables, lens)]
     out = torch.full(q.shape, float('nan'), dtype=q.dtype, device='cuda')
     kw = {} if k_params is None else dict(k_params=cap(k_params.cuda()), v_params=cap(v_params.cuda()))
@@ -55,6 +55,8 @@ def run_both(q, k_cache, v_cache, tables, lens, scale, row_seqs=None, k_params=N
         kw['row_seqs'] = cap(row_seqs.cuda())
     if workspace is not None:
         kw['workspace'] = cap(workspace)
+    if sinks is not None:
+        kw['sinks'] = cap(sinks.cuda())
     cuda.paged_decode_attention(*(cap(t) for t in dev[:5]), scale, cap(out), stream(), window=window, **kw)
     return out.cpu(), ref
 
@@ -241,3 +243,22 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match='v_params'):
         call(kc=codes, vc=codes, k_params=params, v_params=params[..., :1])
     call(kc=codes, vc=codes, k_params=params, v_params=params)  # 4 bits: D / 2 bytes a row
+
+
+@pytest.mark.parametrize('window', [0, 100])
+@pytest.mark.parametrize('bits', [0, 8])
+def test_attention_sinks_prefill_and_decode_rows(bits, window):
+    """gpt-oss's sink logit per head, in rows of one partition (the block adds it) and of several (the
+    combine kernel adds it once), some sinks above every score, some far below."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    query_lens, context_lens = [40, 9, 1], [1100, 9, 700]
+    ctx, k_cache, v_cache = make_ctx(query_lens, context_lens, 16, num_kv_heads, head_dim, torch.float32, seed=13)
+    quant = {}
+    if bits:
+        (k_cache, kp), (v_cache, vp) = quantize(k_cache, bits), quantize(v_cache, bits)
+        quant = dict(k_params=kp, v_params=vp)
+    row_seqs, lens = prefill_rows(query_lens, context_lens)
+    q = torch.randn(len(row_seqs), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    sinks = torch.tensor([-30.0, 0.0, 1.5, 3.0, 6.0, -2.0, 0.7, 12.0])
+    close(*run_both(q, k_cache, v_cache, ctx.block_tables, lens, head_dim ** -0.5, row_seqs=row_seqs, window=window,
+                    sinks=sinks, **quant), torch.float32)

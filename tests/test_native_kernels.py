@@ -120,9 +120,10 @@ def test_paged_decode_attention(context_lens, block_size, num_heads, num_kv_head
     torch.testing.assert_close(ref, want, **TOL[dtype])
 
 
-def window_attention(q, k, v, tables, context_lens, block_size, scale, window, softcap=0.0):
+def window_attention(q, k, v, tables, context_lens, block_size, scale, window, softcap=0.0, sinks=None):
     """float32 attention of each query over its last ``window`` cached tokens (k, v float caches), the
-    scaled scores soft-capped where ``softcap`` > 0."""
+    scaled scores soft-capped where ``softcap`` > 0; ``sinks`` [Hq]: a score per head with a zero value,
+    its probability dropped (gpt-oss)."""
     group = q.shape[1] // k.shape[2]
     out = torch.empty(q.shape)
     for b, n in enumerate(context_lens):
@@ -130,7 +131,11 @@ def window_attention(q, k, v, tables, context_lens, block_size, scale, window, s
         slots = [int(tables[b, t // block_size]) * block_size + t % block_size for t in range(first, n)]
         kb, vb = (c.reshape(-1, *c.shape[2:])[slots].float().repeat_interleave(group, 1) for c in (k, v))
         s = torch.einsum('hd,thd->ht', q[b].float(), kb) * scale
-        p = torch.softmax(torch.tanh(s / softcap) * softcap if softcap else s, -1)
+        s = torch.tanh(s / softcap) * softcap if softcap else s
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None]], -1)
+            vb = torch.cat([vb, torch.zeros_like(vb[:1])])
+        p = torch.softmax(s, -1)
         out[b] = torch.einsum('ht,thd->hd', p, vb)
     return out
 
@@ -152,7 +157,33 @@ def test_paged_decode_attention_softcapped(window, bits, dtype):
     check_window_attention(window, bits, dtype, softcap=1.5)
 
 
-def check_window_attention(window: int, bits: int, dtype: torch.dtype, softcap: float = 0.0) -> None:
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window', [5, 37, 1000])
+@pytest.mark.parametrize('bits', [0, 8, 4])
+def test_paged_decode_attention_with_sinks(window, bits, dtype):
+    """gpt-oss's attention sinks, a logit per head in the softmax's denominator (some larger than every
+    score, some far below), with and without a window; the torch reference against the same."""
+    check_window_attention(window, bits, dtype, sinks=torch.tensor([-20.0, 0.3, 4.0, -1.0, 1.5, 9.0]))
+
+
+def test_torch_paged_attention_with_sinks_matches_the_reference():
+    context_lens, block_size, window = [3, 64, 100, 41], 16, 37
+    ctx, k_cache, v_cache = make_decode_ctx(context_lens, block_size, 2, 64, torch.float32, seed=3)
+    q = rand(len(context_lens), 6, 64, seed=4, scale=2.0)
+    sinks = torch.tensor([-20.0, 0.3, 4.0, -1.0, 1.5, 9.0])
+    for w in (0, window):
+        want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, 0.125, w or 1000,
+                                sinks=sinks)
+        got = torch_ops.paged_attention(q, k_cache, v_cache, ctx, 0.125, window=w, sinks=sinks)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        torch.testing.assert_close(native.paged_attention(q, k_cache, v_cache, ctx, 0.125, window=w, sinks=sinks),
+                                   want, **TOL[torch.float32])
+    with pytest.raises(ValueError, match='sinks.*float32 \\[Hq\\]'):
+        native.paged_attention(q, k_cache, v_cache, ctx, 0.125, sinks=sinks[:4])
+
+
+def check_window_attention(window: int, bits: int, dtype: torch.dtype, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> None:
     """The kernel (AVX2 and scalar) against ``window_attention`` on a float or ``bits``-quantized cache."""
     from test_kv_quant import dequantize, empty_cache, pack, quantize_rows
     context_lens, block_size, num_heads, num_kv_heads, head_dim = [3, 64, 100, 41], 16, 6, 2, 64
@@ -175,12 +206,13 @@ def check_window_attention(window: int, bits: int, dtype: torch.dtype, softcap: 
         caches = (kc, vc)
     else:
         caches = (k_cache, v_cache)
-    want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, scale, window, softcap)
+    want = window_attention(q, k_cache, v_cache, ctx.block_tables, context_lens, block_size, scale, window, softcap,
+                            sinks)
     for reference in (False, True):
         got = torch.empty_like(q)
         ops.paged_decode_attention(dl(q), dl(caches[0]), dl(caches[1]), dl(tables), lens, scale, dl(got),
                                    reference=reference, window=window, softcap=softcap,
-                                   **{k: v for k, v in quant.items()})
+                                   sinks=None if sinks is None else dl(sinks), **{k: v for k, v in quant.items()})
         tol = TOL[torch.float32] if dtype == torch.float32 else TOL[dtype]
         torch.testing.assert_close(got.float(), want, **tol)
 

@@ -78,11 +78,14 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _moe_config(config: ModelConfig) -> dict:
     """``LlamaModel``'s config of the experts (turbomind/csrc/models/moe.h): Qwen rounds the routing
-    weights to the model dtype, Mixtral keeps them in float32 (as transformers does)."""
+    weights to the model dtype, Mixtral and DeepSeek-V2 keep them in float32 (as transformers does)."""
     moe = config.moe
     return dict(num_experts=moe.num_experts, top_k=moe.top_k, intermediate_size=moe.intermediate_size,
-                norm_topk_prob=moe.norm_topk_prob, round_weights=config.family != 'mixtral',
-                shared_intermediate_size=moe.shared_intermediate_size, sparse_layers=list(moe.sparse_layers))
+                norm_topk_prob=moe.norm_topk_prob, round_weights=config.family not in ('mixtral', 'deepseek_v2'),
+                shared_intermediate_size=moe.shared_intermediate_size, sparse_layers=list(moe.sparse_layers),
+                topk_softmax=moe.topk_method == 'topk_softmax', swiglu_limit=moe.swiglu_limit or 0.0,
+                swiglu_alpha=moe.swiglu_alpha, routed_scaling_factor=moe.routed_scaling_factor,
+                num_groups=moe.num_groups, topk_groups=moe.topk_groups, shared_gated=moe.shared_gate)
 
 
 class TurbomindModel:
@@ -128,7 +131,8 @@ class TurbomindModel:
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-                   qk_norm=config.qk_norm, int8_activations=int8_activations,
+                   qk_norm=config.qk_norm, qk_norm_all_heads=config.qk_norm_all_heads, pre_norms=config.pre_norms,
+                   int8_activations=int8_activations,
                    use_rope=[config.uses_rope(n) for n in range(config.num_layers)],
                    windows=list(config.layer_windows), attn_scale=config.attention_scale,
                    attn_softcap=config.attn_softcap, logit_softcap=config.logit_softcap,
@@ -136,6 +140,11 @@ class TurbomindModel:
                    gelu=config.mlp_activation == 'gelu_tanh', local_rope=list(config.local_rope_layers))
         if config.moe is not None:
             cfg['moe'] = _moe_config(config)
+        if config.mla is not None:  # DeepSeek-V2's latent attention (turbomind/csrc/models/mla.h)
+            mla = config.mla
+            cfg['mla'] = dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                              qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
+                              v_head_dim=mla.v_head_dim)
         self.int8_activations = int8_activations
         self._cpp_config = cfg
         self.cpp = self._new_cpp(num_blocks)

@@ -3,7 +3,9 @@
 
 A block holds ``block_size`` tokens of K and V for every layer and KV head; a row (one token,
 one head, K or V) is ``head_dim`` elements of the model dtype, or under ``quant_policy`` 8 / 4
-int8 / int4 codes and a float32 (scale, zero) pair.
+int8 / int4 codes and a float32 (scale, zero) pair. Latent attention (DeepSeek-V2, ``ModelConfig.mla``)
+caches one row per token and layer instead, shared by every head: the normed latent and the rotated key,
+``kv_lora_rank + qk_rope_head_dim`` elements, never quantized.
 """
 from __future__ import annotations
 
@@ -51,7 +53,12 @@ def kv_row_bytes(head_dim: int, dtype: torch.dtype, quant_policy: int = 0) -> in
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, quant_policy: int = 0) -> int:
-    """K and V of every layer for one block of ``block_size`` tokens."""
+    """K and V of every layer for one block of ``block_size`` tokens (latent attention: one row a token)."""
+    if config.mla is not None:
+        if quant_policy:
+            raise ValueError(f'quant_policy={quant_policy}: the latent KV cache of {config.architecture} is not '
+                             'quantized; use quant_policy=0')
+        return config.num_layers * block_size * kv_row_bytes(config.mla.cache_dim, dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * kv_row_bytes(config.head_dim, dtype,
                                                                                   quant_policy)
 

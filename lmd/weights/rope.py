@@ -44,8 +44,17 @@ def longrope_original_len(config: ModelConfig) -> int | None:
                or config.max_position_embeddings)
 
 
+# families whose heads HF rotates only in part when config.json does not say (GLM's configs default to half)
+_DEFAULT_ROTARY_FACTOR = {'glm': 0.5, 'glm4': 0.5}
+
+
 def rotary_dim(config: ModelConfig) -> int:
-    factor = rope_params(config).get('partial_rotary_factor') or config.raw.get('partial_rotary_factor', 1.0)
+    """The rotated dims of each head: ``partial_rotary_factor`` of head_dim, read from rope_scaling, the
+    top level of config.json, or its ``rope_parameters`` (transformers >= 5 keeps GLM's there)."""
+    nested = config.raw.get('rope_parameters')
+    factor = (rope_params(config).get('partial_rotary_factor') or config.raw.get('partial_rotary_factor')
+              or (nested.get('partial_rotary_factor') if isinstance(nested, dict) else None)
+              or _DEFAULT_ROTARY_FACTOR.get(config.family, 1.0))
     return int(config.head_dim * float(factor))
 
 

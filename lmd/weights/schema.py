@@ -24,8 +24,10 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
+from .mla import fuse_mla, mla_weight_shapes
 from .moe import fuse_moe, moe_weight_shapes
 from .quant_layouts import gguf_block_shape
+from .interleaved_rope import to_half_split
 from .rope import build_cos_sin_cache
 
 # The seven matmuls of a decoder layer, under model.layers.{i}.
@@ -46,12 +48,14 @@ _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)
 # Checkpoints that store a fused matmul as one tensor (Phi-3's qkv_proj [(Hq + 2 Hk) * D, H] and
 # gate_up_proj [2 I, H], gate rows first): fused matmul -> that tensor's matmul.
 CHECKPOINT_FUSED = {'qkv': ('self_attn.qkv_proj',), 'gate_up': ('mlp.gate_up_proj',)}
-_CHECKPOINT_FUSED_FAMILIES = ('phi3',)
+# family -> the fused matmuls its checkpoints store as one tensor (GLM: gate_up only)
+_CHECKPOINT_FUSED_FAMILIES = {'phi3': ('qkv', 'gate_up'), 'glm': ('gate_up',), 'glm4': ('gate_up',)}
 
 
 def layer_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Fused matmul -> the HF matmuls of ``config``'s checkpoint concatenated (along N) into it."""
-    return {**LAYER_MATMULS, **CHECKPOINT_FUSED} if config.family in _CHECKPOINT_FUSED_FAMILIES else LAYER_MATMULS
+    fused = _CHECKPOINT_FUSED_FAMILIES.get(config.family, ())
+    return {**LAYER_MATMULS, **{name: CHECKPOINT_FUSED[name] for name in fused}} if fused else LAYER_MATMULS
 
 
 def matmul_parts(config: ModelConfig, layer: int, fused: str, field: str = 'weight') -> list[str]:
@@ -68,9 +72,21 @@ def _matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             'mlp.gate_proj': (I, H), 'mlp.up_proj': (I, H), 'mlp.gate_up_proj': (2 * I, H), 'mlp.down_proj': (H, I)}
 
 
+# families whose layer norms HF names its own way: OLMo 2 norms only the attention's and the MLP's
+# outputs (no pre-norms); GLM-4's sandwich
+_FAMILY_NORMS = {
+    'olmo2': {'attn_out_norm': 'post_attention_layernorm', 'mlp_out_norm': 'post_feedforward_layernorm'},
+    'glm4': {'input_norm': 'input_layernorm', 'attn_out_norm': 'post_self_attn_layernorm',
+             'post_norm': 'post_attention_layernorm', 'mlp_out_norm': 'post_mlp_layernorm'},
+}
+
+
 def layer_norms(config: ModelConfig) -> dict[str, str]:
     """A decoder layer's RMSNorms over H: our name -> HF's, under model.layers.{i}. ``post_norm`` is the
-    one before the MLP; Gemma's sandwich adds one on the attention's output and one on the MLP's."""
+    one before the MLP; Gemma's sandwich adds one on the attention's output and one on the MLP's. Without
+    ``pre_norms`` (OLMo 2) there is no ``input_norm`` nor ``post_norm``: each block reads the residual."""
+    if config.family in _FAMILY_NORMS:
+        return _FAMILY_NORMS[config.family]
     if not config.sandwich_norms:
         return {'input_norm': 'input_layernorm', 'post_norm': 'post_attention_layernorm'}
     return {'input_norm': 'input_layernorm', 'attn_out_norm': 'post_attention_layernorm',
@@ -90,7 +106,8 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
     H, D = config.hidden_size, config.head_dim
     mlp_bias = bool(config.raw.get('mlp_bias', False))
     biased = {'qkv': config.attention_bias,
-              'o': config.attention_bias and config.family in ('llama', 'qwen3', 'smollm3', 'qwen3_moe'),
+              'o': config.attention_bias and config.family in ('llama', 'qwen3', 'smollm3', 'qwen3_moe', 'olmo2',
+                                                               'gpt_oss'),
               'gate_up': mlp_bias, 'down': mlp_bias}
     matmul_shapes = _matmul_shapes(config)
     shapes: dict[str, tuple[int, ...]] = {
@@ -108,15 +125,21 @@ def expected_weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ..
         for fused, parts in layer_matmuls(config).items():
             if fused in ('gate_up', 'down') and config.is_sparse(n):
                 continue  # a mixture of experts instead (lmd.weights.moe)
+            if fused in ('qkv', 'o') and config.mla is not None:
+                continue  # latent attention instead (lmd.weights.mla)
             for part in parts:
                 shapes[f'{p}{part}.weight'] = matmul_shapes[part]
                 if biased[fused]:
                     shapes[f'{p}{part}.bias'] = matmul_shapes[part][:1]
-        if config.qk_norm:
-            shapes[p + 'self_attn.q_norm.weight'] = (D,)
-            shapes[p + 'self_attn.k_norm.weight'] = (D,)
+        if config.qk_norm:  # per head, or over all heads at once (OLMo 2)
+            shapes[p + 'self_attn.q_norm.weight'] = (config.num_heads * D if config.qk_norm_all_heads else D,)
+            shapes[p + 'self_attn.k_norm.weight'] = (config.num_kv_heads * D if config.qk_norm_all_heads else D,)
+        if config.attention_sinks:  # gpt-oss: a logit per query head
+            shapes[p + 'self_attn.sinks'] = (config.num_heads,)
         if config.is_sparse(n):
             shapes.update(moe_weight_shapes(config, n))
+        if config.mla is not None:
+            shapes.update(mla_weight_shapes(config, n))
     return shapes, optional
 
 
@@ -206,6 +229,7 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
     """
     quantized = quantized or {}
     check_quantized_weights(config, weights, quantized)
+    weights = to_half_split(config, weights, quantized)  # GLM's interleaved RoPE (interleaved_rope.py)
 
     def get(name: str) -> torch.Tensor | None:
         t = weights.get(name)
@@ -267,9 +291,14 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
         p, q = f'model.layers.{n}.', f'layers.{n}.'
         for ours, hf_name in layer_norms(config).items():
             out[q + ours] = norm(f'{p}{hf_name}.weight')
-        matmul(n, 'qkv')
+        if config.mla is not None:  # latent attention (lmd.weights.mla)
+            out.update(fuse_mla(config, weights, n, dtype))
+        else:
+            matmul(n, 'qkv')
         out[q + 'q_norm'] = norm(p + 'self_attn.q_norm.weight')
         out[q + 'k_norm'] = norm(p + 'self_attn.k_norm.weight')
+        if config.attention_sinks:  # float32 [Hq], as the attention kernels read them
+            out[q + 'sinks'] = weights[p + 'self_attn.sinks'].float().contiguous()
         matmul(n, 'o')
         if config.is_sparse(n):
             out.update(fuse_moe(config, weights, n, dtype))

@@ -32,6 +32,7 @@ from lmd.model_config import QUANT_METHODS, QUANTIZED_FORMATS, ModelConfig
 from .compressed_tensors import compressed_tensors_linears
 from .fp8 import fp8_linears
 from .gptq import gptq_linears
+from .mxfp4 import mxfp4_experts
 from .quant_layouts import from_awq
 from .schema import take_tensor
 
@@ -58,9 +59,9 @@ def quantized_linears(fmt: str, weights: dict[str, torch.Tensor], quant_config: 
                       where: str = 'the checkpoint') -> dict[str, tuple]:
     """Take the quantized matmuls of a ``fmt`` checkpoint (one of ``QUANTIZED_FORMATS``, its tensors read as
     stored) out of ``weights``: HF weight name -> its layout (``quant_layouts.py``). FP8 matmuls are
-    dequantized in place instead, into float32 ``X.weight``."""
+    dequantized in place instead, into float32 ``X.weight``; so are MXFP4 experts, into bfloat16 ``X``."""
     readers = {'awq': awq_linears, 'w8a8': w8a8_linears, 'gptq': gptq_linears,
-               'compressed-tensors': compressed_tensors_linears, 'fp8': fp8_linears}
+               'compressed-tensors': compressed_tensors_linears, 'fp8': fp8_linears, 'mxfp4': mxfp4_experts}
     return readers[fmt](weights, quant_config, where)
 
 

@@ -42,7 +42,8 @@ class Kernels:
     silu_and_mul: Callable      # (x[T, 2I]) -> [T, I]
     # The three cache kernels take k_params=, v_params= too: a quantized cache (torch_ops' docstring).
     fill_kv_cache: Callable     # (k, v[T, Hk, D], k_cache, v_cache, slot_mapping[T]) -> None
-    # (q[T, Hq, D], k_cache, v_cache, ctx, scale, window=0, softcap=0.0) -> [T, Hq, D]
+    # (q[T, Hq, D], k_cache, v_cache, ctx, scale, window=0, softcap=0.0, sinks=None) -> [T, Hq, D];
+    # sinks: float32 [Hq], a logit per head in the softmax's denominator (gpt-oss)
     paged_attention: Callable
     # (x[T, H], residual[T, H], weight[H], eps) -> rms_norm(residual += x)
     add_rms_norm: Callable = torch_ops.add_rms_norm
@@ -52,8 +53,12 @@ class Kernels:
     prepare_linear: Callable = torch_ops.prepare_linear
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
     gelu_tanh_and_mul: Callable = torch_ops.gelu_tanh_and_mul  # (x[T, 2I]) -> [T, I] (GeGLU: Gemma)
-    # (x[T, H], gate_up[E, 2I, H], down[E, H, I], topk_weights[T, k], topk_ids[T, k]) -> [T, H]: routed experts
+    # (x[T, H], gate_up[E, 2I, H], down[E, H, I], topk_weights[T, k], topk_ids[T, k], gate_up_bias=None,
+    # down_bias=None, swiglu_limit=None, swiglu_alpha=1.0) -> [T, H]: routed experts (torch_ops.moe)
     moe: Callable = torch_ops.moe
+    # (q[T, Hq, D], cache[num_blocks, block_size, 1, D], ctx, scale, v_dim) -> [T, Hq, v_dim]: latent attention,
+    # values the first v_dim dims of the cached rows (DeepSeek-V2)
+    paged_latent_attention: Callable = torch_ops.paged_latent_attention
     set_num_threads: Callable = lambda n: None           # threads of the backend's own kernels
 
 
@@ -83,6 +88,7 @@ def _native_kernels() -> Kernels:
         rope_fill_kv=native.rope_fill_kv,
         prepare_linear=native.prepare_linear,
         linear=native.linear,
+        paged_latent_attention=native.paged_latent_attention,
         set_num_threads=native.set_num_threads,
     )
 

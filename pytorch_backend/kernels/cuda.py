@@ -192,20 +192,23 @@ def rope_fill_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows read their own table; prefill rows (as native.py) are queries over their visible
     context, sharing their sequence's table through row_seqs. Float or quantized cache; with a
-    window, each row's last ``window`` tokens. Soft-capped scores (Gemma 2): torch's, not in the kernel yet."""
+    window, each row's last ``window`` tokens; with ``sinks`` (float32 [Hq]), gpt-oss's sink logits. Soft-capped
+    scores (Gemma 2): torch's, not in the kernel yet."""
     if q.dim() != 3 or q.dtype not in _DTYPES or not _attention_supports(q.shape[-1]) or softcap:
         return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
     if ctx.is_decode:
         return _attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, None, scale, k_params, v_params,
-                          window)
+                          window, sinks)
     rows = ctx.derived.get('cuda_rows')
     if rows is None:
         rows = ctx.derived['cuda_rows'] = _prefill_rows(ctx, q.shape[0], q.device)
-    return _attention(q, k_cache, v_cache, ctx.block_tables, rows[1], rows[0], scale, k_params, v_params, window)
+    return _attention(q, k_cache, v_cache, ctx.block_tables, rows[1], rows[0], scale, k_params, v_params, window,
+                      sinks)
 
 
 def _prefill_rows(ctx: StepContext, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +227,8 @@ def _prefill_rows(ctx: StepContext, num_rows: int, device: torch.device) -> tupl
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, row_seqs: torch.Tensor | None, scale: float,
-               k_params: torch.Tensor | None, v_params: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+               k_params: torch.Tensor | None, v_params: torch.Tensor | None, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_rows, num_heads, head_dim = q.shape
@@ -236,5 +240,6 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     kcuda.paged_decode_attention(
         to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(block_tables), to_dlpack(context_lens),
         scale, to_dlpack(out), stream=_stream(), row_seqs=None if row_seqs is None else to_dlpack(row_seqs),
-        workspace=None if workspace is None else to_dlpack(workspace), window=window, **params)
+        workspace=None if workspace is None else to_dlpack(workspace), window=window,
+        sinks=None if sinks is None else to_dlpack(sinks), **params)
     return out

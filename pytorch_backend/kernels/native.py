@@ -84,13 +84,16 @@ def linear(x: torch.Tensor, p) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     if q.dtype not in _DTYPES:
         return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, k_params=k_params, v_params=v_params,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
     params = {} if k_params is None else dict(k_params=to_dlpack(k_params), v_params=to_dlpack(v_params))
     params['window'] = window
     params['softcap'] = softcap
+    if sinks is not None:  # float32 [Hq] (the model keeps them so)
+        params['sinks'] = to_dlpack(sinks)
     if ctx.is_decode:
         return _decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, params)
     # Prefill chunks too: each new token is a query over its own visible context (the
@@ -104,6 +107,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
         rows = ctx.derived['native_rows'] = (ctx.block_tables.index_select(0, seq_of_row), visible)
     return _decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale, params)
+
+
+def paged_latent_attention(q: torch.Tensor, cache: torch.Tensor, ctx: StepContext, scale: float,
+                           v_dim: int) -> torch.Tensor:
+    """``torch_ops.paged_latent_attention`` by the kernel library's ``ops.paged_latent_attention``: every
+    row of the step, prefill or decode, a query over its own visible prefix (as ``paged_attention``)."""
+    if q.dtype not in _DTYPES:
+        return torch_ops.paged_latent_attention(q, cache, ctx, scale, v_dim)
+    q = q.contiguous()
+    out = q.new_empty((*q.shape[:2], v_dim))
+    if ctx.is_decode:
+        ops.paged_latent_attention(to_dlpack(q), to_dlpack(cache), to_dlpack(ctx.block_tables),
+                                   to_dlpack(ctx.context_lens), scale, to_dlpack(out))
+        return out
+    rows = ctx.derived.get('native_latent_rows')
+    if rows is None:
+        seq_of_row = torch.repeat_interleave(torch.arange(ctx.num_seqs), ctx.query_lens.long())
+        first_row = ctx.cu_query_lens[:-1].long().repeat_interleave(ctx.query_lens.long())
+        history = (ctx.context_lens - ctx.query_lens).long()[seq_of_row]
+        visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
+        rows = ctx.derived['native_latent_rows'] = (seq_of_row.to(torch.int32), visible)
+    ops.paged_latent_attention(to_dlpack(q), to_dlpack(cache), to_dlpack(ctx.block_tables), to_dlpack(rows[1]), scale,
+                               to_dlpack(out), row_seqs=to_dlpack(rows[0]))
+    return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

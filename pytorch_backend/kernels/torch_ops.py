@@ -142,10 +142,21 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate='tanh').mul_(up)
 
 
+def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """x[T, 2I] = [gate | up] -> gpt-oss's SwiGLU [T, I]: gate = min(gate, limit), up = clamp(up, -limit,
+    limit), (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor) -> torch.Tensor:
+        topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+        swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> torch.Tensor:
     """Routed SwiGLU experts as grouped matmuls: x[T, H], the experts' gate_up [E, 2I, H] and down
     [E, H, I], each token's experts topk_ids [T, k] and their weights topk_weights [T, k] -> [T, H].
+    Options (gpt-oss): biases gate_up_bias [E, 2I] and down_bias [E, H] on each expert's matmuls, and
+    ``clamped_swiglu`` at ``swiglu_limit`` in place of silu(gate) * up.
 
     The (token, slot) pairs are sorted by expert (stably: within an expert, in token order), each
     expert with tokens runs its two matmuls over its rows at once, and the weighted rows are summed
@@ -162,7 +173,9 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights
     for expert, count in enumerate(counts):
         if count:
             part = slice(start, start + count)
-            out_rows[part] = F.linear(silu_and_mul(F.linear(rows[part], gate_up[expert])), down[expert])
+            h = F.linear(rows[part], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+            h = silu_and_mul(h) if swiglu_limit is None else clamped_swiglu(h, swiglu_limit, swiglu_alpha)
+            out_rows[part] = F.linear(h, down[expert], None if down_bias is None else down_bias[expert])
             start += count
     weighted = (out_rows * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, weighted)
@@ -235,27 +248,44 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx: StepContext, scale: float, k_params: torch.Tensor | None = None,
-                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    v_params: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens q[T, Hq, D] over each sequence's whole cached context.
 
     The new tokens of sequence i sit at positions context_len_i - query_len_i ...
     context_len_i - 1 and see every cached token at or before their own position (with
     ``window`` > 0, a sliding-window layer: the last ``window`` of them, itself included; the
     table's blocks wholly before every query's window are not read). ``softcap`` > 0: each scaled
-    score s becomes tanh(s / softcap) * softcap before the softmax (Gemma 2).
+    score s becomes tanh(s / softcap) * softcap before the softmax (Gemma 2). ``sinks`` (float32 [Hq],
+    gpt-oss): each head's learned logit joins its softmax's denominator as a key without a value.
     Returns [T, Hq, D] in q's dtype; scores and softmax run in float32 for
     half-precision inputs (as HF eager does). A quantized cache (k_params, v_params)
     is read through a dequantized copy of the blocks the step uses.
     """
     if k_params is not None:
         k_cache, v_cache, ctx = _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx)
-    if ctx.is_decode and not window:
+    if ctx.is_decode and not window and sinks is None:
         return _decode_attention(q, k_cache, v_cache, ctx, scale, softcap)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
         out[start:start + q_len] = attend_one(q[start:start + q_len], k_cache, v_cache, ctx.block_tables[i],
-                                              ctx_len, scale, window, softcap)
+                                              ctx_len, scale, window, softcap, sinks)
+        start += q_len
+    return out
+
+
+def paged_latent_attention(q: torch.Tensor, cache: torch.Tensor, ctx: StepContext, scale: float,
+                           v_dim: int) -> torch.Tensor:
+    """Latent attention (DeepSeek-V2, ``lmd.weights.mla``): the new tokens' latent queries q[T, Hq, D]
+    over one cache shared by every head, cache [num_blocks, block_size, 1, D], whose rows are the keys
+    and whose first ``v_dim`` dims are the values; causal as ``paged_attention``, prefill chunks and
+    decode alike. Returns [T, Hq, v_dim] in q's dtype."""
+    out = q.new_empty((*q.shape[:2], v_dim))
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(ctx.query_lens_list, ctx.context_lens_list)):
+        rows = _gather_context(cache, ctx.block_tables[i], ctx_len)
+        out[start:start + q_len] = _prefill_one(q[start:start + q_len], rows, rows[..., :v_dim], scale)
         start += q_len
     return out
 
@@ -270,45 +300,52 @@ def _dequantized_blocks(q, k_cache, v_cache, k_params, v_params, ctx: StepContex
 
 
 def attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-               context_len: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+               context_len: int, scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's new tokens q[Lq, Hq, D], the last Lq of its context_len cached tokens (with a
     window, read from the first block any of them sees)."""
     first = max(0, context_len - q.shape[0] + 1 - window) // k_cache.shape[1] if window else 0
     k = _gather_context(k_cache, block_table, context_len, first)
     v = _gather_context(v_cache, block_table, context_len, first)
-    return _prefill_one(q, k, v, scale, window, softcap)
+    return _prefill_one(q, k, v, scale, window, softcap, sinks)
 
 
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q[Lq, Hq, D] against k, v[Lk, Hk, D]: the queries are the last Lq of the Lk positions; with a
     window, each sees its last ``window`` positions only."""
     q_len, num_heads, _ = q.shape
     ctx_len, num_kv_heads, _ = k.shape
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_heads != num_kv_heads
-    if q_len == ctx_len and not window and not softcap:
+    if q_len == ctx_len and not window and not softcap and sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # bottom-right aligned causal mask: query j sits at position ctx_len - q_len + j
         qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
         kpos = torch.arange(ctx_len, device=q.device)[None, :]
         mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
-        if softcap:
-            out = _softcapped_attention(qh, kh, vh, mask, scale, softcap)
+        if softcap or sinks is not None:
+            out = _eager_attention(qh, kh, vh, mask, scale, softcap, sinks)
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
 
 
-def _softcapped_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, scale: float,
-                          softcap: float) -> torch.Tensor:
-    """SDPA over qh[Hq, Lq, D], kh, vh[Hk, Lk, D] with the scaled scores soft-capped before the mask
-    (HF Gemma 2 eager), in float32."""
+def _eager_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over qh[Hq, Lq, D], kh, vh[Hk, Lk, D] spelled out in float32 (HF's eager attention): the
+    scaled scores soft-capped before the mask (Gemma 2), and with ``sinks`` [Hq] a sink logit per head
+    appended to each query's scores for the softmax and dropped after it (gpt-oss)."""
     group = qh.shape[0] // kh.shape[0]
     kh, vh = kh.repeat_interleave(group, 0).float(), vh.repeat_interleave(group, 0).float()
     scores = _softcapped(torch.matmul(qh.float(), kh.transpose(1, 2)).mul_(scale), softcap)
-    probs = torch.softmax(scores.masked_fill_(~mask, float('-inf')), dim=-1)
+    scores.masked_fill_(~mask, float('-inf'))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, vh).to(qh.dtype)
 
 

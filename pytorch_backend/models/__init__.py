@@ -6,10 +6,11 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
+from .deepseek import DeepseekV2CausalLM
 from .llama import CausalLM
 from .moe import MoeCausalLM
 
-# family (ModelConfig.family) -> implementation; every supported family is Llama-shaped.
+# family (ModelConfig.family) -> implementation; every supported family but DeepSeek-V2 is Llama-shaped.
 MODEL_CLASSES = {
     'llama': CausalLM,
     'mistral': CausalLM,
@@ -19,10 +20,16 @@ MODEL_CLASSES = {
     'phi3': CausalLM,
     'gemma2': CausalLM,
     'gemma3': CausalLM,
+    'olmo2': CausalLM,
+    'glm': CausalLM,
+    'glm4': CausalLM,
     # the same decoder with mixtures of experts for MLPs (moe.py)
     'mixtral': MoeCausalLM,
     'qwen2_moe': MoeCausalLM,
     'qwen3_moe': MoeCausalLM,
+    'gpt_oss': MoeCausalLM,
+    # latent attention over a latent KV cache, experts with grouped routing (deepseek.py)
+    'deepseek_v2': DeepseekV2CausalLM,
 }
 
 

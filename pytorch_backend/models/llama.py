@@ -1,5 +1,5 @@
 """The Llama family in plain torch: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2, Qwen3,
-SmolLM3, Phi-3, Gemma 2 and Gemma 3.
+SmolLM3, Phi-3, Gemma 2, Gemma 3, OLMo 2, GLM and GLM-4.
 
 They differ only in small switches read from ``ModelConfig``:
 - Qwen2 has biases on q/k/v (``attention_bias``);
@@ -13,7 +13,13 @@ They differ only in small switches read from ``ModelConfig``:
 - Gemma scales its embeddings (``embed_scale``), norms by (1 + w) (``schema.norm_weight``), norms the
   attention's and the MLP's outputs too (``sandwich_norms``), runs GeGLU, scales scores by
   ``query_pre_attn_scalar``; Gemma 2 soft-caps scores and logits, Gemma 3 normalises q and k like
-  Qwen3 and rotates its sliding layers by a table of their own (``local_rope_layers``).
+  Qwen3 and rotates its sliding layers by a table of their own (``local_rope_layers``);
+- OLMo 2 has no pre-norms (``pre_norms``: each block reads the residual stream itself), norms the
+  attention's and the MLP's outputs, and q and k over all their heads at once (``qk_norm_all_heads``);
+- GLM stores gate/up fused and rotates interleaved pairs of half of each head, run as half-split by
+  permuting q's and k's rows at load (``lmd.weights.interleaved_rope``); GLM-4 norms both outputs too;
+- gpt-oss (its experts in ``moe.py``) adds a learned sink logit per head to each attention softmax
+  (``attention_sinks``: ``DecoderLayer.sinks``).
 
 Weights load from HF names and are fused at load as the weights layer says
 (``lmd.weights.schema``: q/k/v into one ``qkv`` [(Hq + 2 Hk) * D, H], gate/up into one
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
+from lmd.weights.interleaved_rope import to_half_split
 from lmd.weights.memory import kv_block_bytes
 from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import (check_quantized_weights, fuse_quantized, layer_norms, matmul_parts, norm_weight,
@@ -46,15 +53,15 @@ from ..kernels import Kernels, get_kernels, prepare_matmul
 
 @dataclass
 class DecoderLayer:
-    input_norm: torch.Tensor          # [H]
+    input_norm: torch.Tensor | None   # [H]; None: no pre-norm (OLMo 2)
     # float [N, K], or a quantized tuple standing for it (lmd.weights.schema; a list: in parts)
     qkv_weight: torch.Tensor | tuple | list  # [(Hq + 2 Hk) * D, H]
     qkv_bias: torch.Tensor | None     # [(Hq + 2 Hk) * D]
-    q_norm: torch.Tensor | None       # [D] (Qwen3)
-    k_norm: torch.Tensor | None       # [D] (Qwen3)
+    q_norm: torch.Tensor | None       # [D] (Qwen3); [Hq * D] over all heads (OLMo 2)
+    k_norm: torch.Tensor | None       # [D] (Qwen3); [Hk * D] over all heads (OLMo 2)
     o_weight: torch.Tensor | tuple    # [H, Hq * D]
     o_bias: torch.Tensor | None       # [H]
-    post_norm: torch.Tensor           # [H]
+    post_norm: torch.Tensor | None    # [H]; None: no pre-norm (OLMo 2)
     gate_up_weight: torch.Tensor | tuple | list  # [2 I, H]
     gate_up_bias: torch.Tensor | None  # [2 I]
     down_weight: torch.Tensor | tuple  # [H, I]
@@ -64,6 +71,7 @@ class DecoderLayer:
     attn_out_norm: torch.Tensor | None = None  # [H] on the attention's output (Gemma)
     mlp_out_norm: torch.Tensor | None = None   # [H] on the MLP's output (Gemma)
     window: int = 0                   # sliding window: a query reads its last `window` tokens; 0: all
+    sinks: torch.Tensor | None = None  # float32 [Hq]: each head's sink logit in its softmax (gpt-oss)
     # a mixture of experts in place of gate_up / down (models/moe.py; their weights None then)
     moe: Callable[[torch.Tensor], torch.Tensor] | None = None
     # the four matmuls' parameters as the kernel backend wants them (Kernels.prepare_linear)
@@ -90,6 +98,7 @@ class CausalLM:
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         quantized = quantized or {}
         check_quantized_weights(config, weights, quantized)
+        weights = to_half_split(config, weights, quantized)  # GLM's interleaved RoPE, as half-split
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -145,7 +154,8 @@ class CausalLM:
         for n in range(config.num_layers):
             p = f'model.layers.{n}.'
             attn, mlp = p + 'self_attn.', p + 'mlp.'
-            norms = {ours: norm(f'{p}{hf_name}.weight') for ours, hf_name in layer_norms(config).items()}
+            norms = dict(input_norm=None, post_norm=None)  # none without pre-norms (OLMo 2)
+            norms.update({ours: norm(f'{p}{hf_name}.weight') for ours, hf_name in layer_norms(config).items()})
             self.layers.append(DecoderLayer(
                 qkv_weight=cat(matmul_parts(config, n, 'qkv')),
                 qkv_bias=cat(matmul_parts(config, n, 'qkv', 'bias')),
@@ -160,6 +170,7 @@ class CausalLM:
                 rope=config.uses_rope(n),
                 local_rope=bool(config.local_rope_layers and config.local_rope_layers[n]),
                 window=config.layer_windows[n],
+                sinks=weights[attn + 'sinks'].float().to(self.device) if config.attention_sinks else None,
                 **norms,
             ))
             self.layers[-1].prepare(self.kernels)
@@ -224,7 +235,9 @@ class CausalLM:
             k_cache, v_cache = cache[0], cache[1]
             kv_params = {} if len(cache) == 2 else dict(k_params=cache[2], v_params=cache[3])
             # attention block
-            if delta is None:
+            if layer.input_norm is None:  # no pre-norm (OLMo 2): the residual stream itself
+                x = residual if delta is None else residual.add_(delta)
+            elif delta is None:
                 x = rms_norm(residual, layer.input_norm, eps)
             else:
                 x = add_rms_norm(delta, residual, layer.input_norm, eps)
@@ -236,12 +249,16 @@ class CausalLM:
             else:  # Qwen3 normalises q and k per head before RoPE; SmolLM3's NoPE layers skip it
                 q = self._split_rope_fill(layer, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                           kv_params)
-            o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, softcap=softcap, **kv_params)
+            o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, softcap=softcap,
+                                sinks=layer.sinks, **kv_params)
             delta = linear(o.reshape(num_tokens, q_size), layer.o)
             if layer.attn_out_norm is not None:
                 delta = rms_norm(delta, layer.attn_out_norm, eps)
             # MLP block
-            x = add_rms_norm(delta, residual, layer.post_norm, eps)
+            if layer.post_norm is None:
+                x = residual.add_(delta)
+            else:
+                x = add_rms_norm(delta, residual, layer.post_norm, eps)
             if layer.moe is None:
                 delta = linear(act_and_mul(linear(x, layer.gate_up)), layer.down)
             else:
@@ -259,7 +276,10 @@ class CausalLM:
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and self.config.qk_norm_all_heads:  # OLMo 2: over all heads at once
+            q = kern.rms_norm(qkv[:, :q_size], layer.q_norm, self.eps).view_as(q)
+            k = kern.rms_norm(qkv[:, q_size:q_size + kv_size], layer.k_norm, self.eps).view_as(k)
+        elif layer.q_norm is not None:
             q = kern.rms_norm(q, layer.q_norm, self.eps)
             k = kern.rms_norm(k, layer.k_norm, self.eps)
         if layer.rope:

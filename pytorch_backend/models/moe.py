@@ -1,4 +1,4 @@
-"""Mixture-of-experts models: Mixtral, Qwen2-MoE, Qwen3-MoE (``ModelConfig.moe``).
+"""Mixture-of-experts models: Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss (``ModelConfig.moe``).
 
 Each is the Llama-family decoder of ``llama.py`` (Qwen2-MoE with q/k/v biases, Qwen3-MoE with q/k
 norms) whose MLP is, on its sparse layers, a ``SparseMoe``: a router picks each token's top-k experts,
@@ -6,7 +6,10 @@ the experts run as grouped matmuls over the tokens routed to each (``Kernels.moe
 a shared expert scaled by a sigmoid gate. Routing follows transformers exactly: softmax in float32 over
 the router's logits, top-k, then the k weights renormalised to sum 1 (Mixtral always; Qwen with
 ``norm_topk_prob``); Mixtral keeps them in float32, Qwen rounds them to the model's dtype. Dense layers
-(Qwen's ``mlp_only_layers``, ``decoder_sparse_step``) keep the plain MLP.
+(Qwen's ``mlp_only_layers``, ``decoder_sparse_step``) keep the plain MLP. gpt-oss routes the other way
+round ('topk_softmax': the top-k of its biased router's logits, then a softmax over those k), its experts
+carry biases and run a clamped SwiGLU (``torch_ops.clamped_swiglu``); its attention sinks live in
+``llama.py``.
 """
 from __future__ import annotations
 
@@ -15,16 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from lmd.model_config import ModelConfig
-from lmd.weights.moe import SHARED_EXPERT_MATMULS, moe_prefix, stack_experts
+from lmd.weights.moe import SHARED_EXPERT_MATMULS, expert_biases, moe_prefix, router_names, stack_experts
 
 from ..kernels import Kernels, prepare_matmul
 from .llama import CausalLM
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+          dtype: torch.dtype, topk_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] in ``dtype``, expert ids [T, k]): softmax in float32,
-    top-k, renormalised to sum 1 with ``norm_topk_prob``."""
+    top-k, renormalised to sum 1 with ``norm_topk_prob``; ``topk_softmax`` (gpt-oss): top-k of the logits,
+    then a softmax over those k."""
+    if topk_softmax:
+        top, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32).to(dtype), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -51,11 +58,21 @@ class SparseMoe:
     norm_topk_prob: bool
     weight_dtype: torch.dtype      # the routing weights' dtype (Mixtral float32, Qwen the model's)
     shared: SharedExpert | None
+    # gpt-oss: softmax over the top-k logits, biases [E, 2 I] and [E, H], the clamped SwiGLU's settings
+    topk_softmax: bool = False
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kern = self.kernels
-        weights, ids = route(kern.linear(x, self.router), self.top_k, self.norm_topk_prob, self.weight_dtype)
-        out = kern.moe(x, self.gate_up, self.down, weights, ids)
+        weights, ids = route(kern.linear(x, self.router), self.top_k, self.norm_topk_prob, self.weight_dtype,
+                             self.topk_softmax)
+        options = {} if self.swiglu_limit is None and self.gate_up_bias is None else dict(
+            gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha)
+        out = kern.moe(x, self.gate_up, self.down, weights, ids, **options)
         if self.shared is not None:
             shared = kern.linear(kern.silu_and_mul(kern.linear(x, self.shared.gate_up)), self.shared.down)
             out += torch.sigmoid(kern.linear(x, self.shared.gate)) * shared
@@ -87,7 +104,13 @@ class MoeCausalLM(CausalLM):
                                   down=prepare_matmul(kern, get(down), None),
                                   gate=prepare_matmul(kern, get(p + 'shared_expert_gate.weight'), None))
         gate_up, down = stack_experts(config, weights, layer, self.dtype)
-        return SparseMoe(kernels=kern, router=prepare_matmul(kern, get(p + 'gate.weight'), None),
-                         gate_up=gate_up.to(self.device), down=down.to(self.device), top_k=config.moe.top_k,
-                         norm_topk_prob=config.moe.norm_topk_prob,
-                         weight_dtype=torch.float32 if config.family == 'mixtral' else self.dtype, shared=shared)
+        biases = expert_biases(config, weights, layer, self.dtype)
+        gate_up_bias, down_bias = (None, None) if biases is None else (b.to(self.device) for b in biases)
+        router, router_bias = router_names(config, layer)
+        moe = config.moe
+        return SparseMoe(kernels=kern, router=prepare_matmul(kern, get(router), router_bias and get(router_bias)),
+                         gate_up=gate_up.to(self.device), down=down.to(self.device), top_k=moe.top_k,
+                         norm_topk_prob=moe.norm_topk_prob,
+                         weight_dtype=torch.float32 if config.family == 'mixtral' else self.dtype, shared=shared,
+                         topk_softmax=moe.topk_method == 'topk_softmax', gate_up_bias=gate_up_bias,
+                         down_bias=down_bias, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)

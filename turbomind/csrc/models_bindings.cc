@@ -13,6 +13,7 @@
 #include "cpu/gguf.h"
 #include "cpu/quant.h"
 #include "models/llama.h"
+#include "models/mla.h"
 #include "models/moe.h"
 
 namespace turbomind {
@@ -51,6 +52,8 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     c.vocab_size = get_int(cfg, "vocab_size");
     c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
     c.qk_norm = cfg.contains("qk_norm") && cfg["qk_norm"].cast<bool>();
+    c.qk_norm_all_heads = cfg.contains("qk_norm_all_heads") && cfg["qk_norm_all_heads"].cast<bool>();
+    c.pre_norms = !cfg.contains("pre_norms") || cfg["pre_norms"].cast<bool>();
     if (cfg.contains("use_rope")) c.use_rope = cfg["use_rope"].cast<std::vector<bool>>();
     if (cfg.contains("windows")) c.windows = cfg["windows"].cast<std::vector<int64_t>>();
     for (int64_t w : c.windows) {
@@ -67,6 +70,16 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     }
     c.gelu = cfg.contains("gelu") && cfg["gelu"].cast<bool>();
     if (cfg.contains("local_rope")) c.local_rope = cfg["local_rope"].cast<std::vector<bool>>();
+    py::dict mla_cfg;  // DeepSeek-V2's latent attention (mla.h): kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    if (cfg.contains("mla")) {
+        mla_cfg = cfg["mla"].cast<py::dict>();
+        c.mla_cache_dim = get_int(mla_cfg, "kv_lora_rank") + get_int(mla_cfg, "qk_rope_head_dim");
+        if (get_int(mla_cfg, "kv_lora_rank") < 1 || get_int(mla_cfg, "qk_rope_head_dim") != c.head_dim ||
+            get_int(mla_cfg, "qk_nope_head_dim") < 1 || get_int(mla_cfg, "v_head_dim") < 1) {
+            fail("LlamaModel config: mla needs kv_lora_rank, qk_nope_head_dim, v_head_dim >= 1 and qk_rope_head_dim "
+                 "equal to head_dim (the rotary table's width)");
+        }
+    }
     if (num_blocks < 1 || block_size < 1) fail("num_blocks and block_size must be >= 1");
     const DType dt = parse_dtype(dtype_name_);
     auto result = std::make_unique<PyLlamaModel>();
@@ -224,6 +237,19 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         }
         return out;
     };
+    // the rows of a stack of expert biases [E, N] (none there: none) as each expert's bias
+    auto expert_biases = [&](std::vector<LinearWeights> & lws, const std::string & name, int64_t E, int64_t N) {
+        if (!tensors.contains(name)) return;
+        const TensorView all = take(name, {E, N}, true);
+        for (int64_t e = 0; e < E; ++e) {
+            TensorView v = all;
+            v.data = static_cast<uint8_t *>(all.data) + e * N * dtype_size(all.dtype);
+            v.ndim = 1;
+            v.shape[0] = N;
+            v.strides[0] = 1;
+            lws[e].bias = v;
+        }
+    };
     // layer p's mixture of experts (moe.h) as config["moe"] describes it
     auto moe = [&](const std::string & p) {
         const py::dict m = cfg["moe"].cast<py::dict>();
@@ -238,16 +264,54 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
         w->intermediate_size = EI;
         w->norm_topk_prob = m["norm_topk_prob"].cast<bool>();
         w->round_weights = m["round_weights"].cast<bool>();
-        w->router = linear(p + "router", E, H);
+        w->router = linear(p + "router", E, H);  // with "router_bias" [E] where there is one (gpt-oss)
         w->gate_up = experts(p + "experts.gate_up", E, 2 * EI, H);
         w->down = experts(p + "experts.down", E, H, EI);
+        // gpt-oss: biases [E, N] on each expert's matmuls, routing by a softmax over the top-k logits, and
+        // the clamped SwiGLU
+        expert_biases(w->gate_up, p + "experts.gate_up_bias", E, 2 * EI);
+        expert_biases(w->down, p + "experts.down_bias", E, H);
+        w->topk_softmax = m.contains("topk_softmax") && m["topk_softmax"].cast<bool>();
+        w->swiglu_limit = m.contains("swiglu_limit") ? m["swiglu_limit"].cast<float>() : 0.f;
+        w->swiglu_alpha = m.contains("swiglu_alpha") ? m["swiglu_alpha"].cast<float>() : 1.f;
+        if (w->swiglu_limit < 0.f) fail("LlamaModel config: moe.swiglu_limit must be >= 0 (0: plain SwiGLU)");
+        // DeepSeek-V2: grouped routing, scaled weights, shared experts without a gate
+        w->routed_scaling_factor = m.contains("routed_scaling_factor") ? m["routed_scaling_factor"].cast<float>() : 1.f;
+        w->num_groups = m.contains("num_groups") ? m["num_groups"].cast<int64_t>() : 1;
+        w->topk_groups = m.contains("topk_groups") ? m["topk_groups"].cast<int64_t>() : 1;
+        w->shared_gated = !m.contains("shared_gated") || m["shared_gated"].cast<bool>();
+        if (w->num_groups < 1 || E % w->num_groups || w->topk_groups < 1 || w->topk_groups > w->num_groups ||
+            w->top_k > w->topk_groups * (E / w->num_groups)) {
+            fail("LlamaModel config: moe needs num_groups dividing num_experts, 1 <= topk_groups <= num_groups and "
+                 "top_k within the experts of topk_groups groups");
+        }
         w->shared_intermediate_size = S;
         if (S) {
             w->shared_gate_up = linear(p + "shared_gate_up", 2 * S, H);
             w->shared_down = linear(p + "shared_down", H, S);
-            w->shared_gate = linear(p + "shared_gate", 1, H);
+            if (w->shared_gated) w->shared_gate = linear(p + "shared_gate", 1, H);
         }
         return std::shared_ptr<const MoeWeights>(w);
+    };
+    // layer p's latent attention (mla.h) as config["mla"] describes it
+    auto mla = [&](const std::string & p) {
+        auto w = std::make_shared<MlaWeights>();
+        w->kv_lora_rank = get_int(mla_cfg, "kv_lora_rank");
+        w->qk_nope_head_dim = get_int(mla_cfg, "qk_nope_head_dim");
+        w->qk_rope_head_dim = get_int(mla_cfg, "qk_rope_head_dim");
+        w->v_head_dim = get_int(mla_cfg, "v_head_dim");
+        const int64_t Hq = c.num_heads, L = w->kv_lora_rank, q_rows = Hq * (w->qk_nope_head_dim + w->qk_rope_head_dim);
+        const int64_t r = mla_cfg.contains("q_lora_rank") && !mla_cfg["q_lora_rank"].is_none() ? get_int(mla_cfg, "q_lora_rank") : 0;
+        if (r) {
+            w->q_a = linear(p + "mla.q_a", r, H);
+            w->q_a_norm = take(p + "mla.q_a_norm", {r}, true);
+        }
+        w->q = linear(p + "mla.q", q_rows, r ? r : H);
+        w->kv_a = linear(p + "mla.kv_a", w->cache_dim(), H);
+        w->kv_a_norm = take(p + "mla.kv_a_norm", {L}, true);
+        w->w_uk_t = take(p + "mla.w_uk_t", {Hq, L, w->qk_nope_head_dim}, true);
+        w->w_uv = take(p + "mla.w_uv", {Hq, w->v_head_dim, L}, true);
+        return std::shared_ptr<const MlaWeights>(w);
     };
     std::vector<bool> sparse(static_cast<size_t>(c.num_layers), false);
     if (cfg.contains("moe")) {
@@ -275,14 +339,19 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     for (int64_t l = 0; l < c.num_layers; ++l) {
         const std::string p = "layers." + std::to_string(l) + ".";
         LlamaLayerWeights lw;
-        lw.input_norm = take(p + "input_norm", {H}, true);
-        lw.qkv = linear(p + "qkv", qkv, H);
-        lw.q_norm = take(p + "q_norm", {D}, c.qk_norm);
-        lw.k_norm = take(p + "k_norm", {D}, c.qk_norm);
-        lw.o = linear(p + "o", H, c.num_heads * D);
-        lw.post_norm = take(p + "post_norm", {H}, true);
+        if (c.pre_norms) lw.input_norm = take(p + "input_norm", {H}, true);
+        if (c.mla_cache_dim) {
+            lw.mla = mla(p);
+        } else {
+            lw.qkv = linear(p + "qkv", qkv, H);
+        }
+        lw.q_norm = take(p + "q_norm", {c.qk_norm_all_heads ? c.num_heads * D : D}, c.qk_norm);
+        lw.k_norm = take(p + "k_norm", {c.qk_norm_all_heads ? c.num_kv_heads * D : D}, c.qk_norm);
+        lw.o = linear(p + "o", H, c.num_heads * (c.mla_cache_dim ? get_int(mla_cfg, "v_head_dim") : D));
+        if (c.pre_norms) lw.post_norm = take(p + "post_norm", {H}, true);
         lw.attn_out_norm = take(p + "attn_out_norm", {H}, false);
         lw.mlp_out_norm = take(p + "mlp_out_norm", {H}, false);
+        if (tensors.contains(p + "sinks")) lw.sinks = raw(p + "sinks", DType::f32, {c.num_heads});
         if (sparse[l]) {
             lw.moe = moe(p);
         } else {
@@ -453,17 +522,22 @@ py::list output_tuples(std::vector<Output> & outs) {
 
 void bind_models(py::module_ & m) {
     py::class_<PyLlamaModel>(m, "LlamaModel",
-                             "A Llama-family model (Llama, Mistral, Qwen2, Qwen3) and its paged KV cache, in C++.")
+                             "A decoder model of any family lmd runs (ModelConfig.family) and its paged KV cache, in C++.")
         .def(py::init(&make_model), py::arg("config"), py::arg("tensors"), py::arg("dtype"), py::arg("num_blocks"),
              py::arg("block_size"), py::arg("quant_policy") = 0,
              "config: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, "
-             "rms_norm_eps, qk_norm, use_rope (a flag per layer; default: all), windows (a sliding window per "
+             "rms_norm_eps, qk_norm, qk_norm_all_heads (q_norm [Hq D], k_norm [Hk D]), pre_norms (default true; false: no "
+             "input_norm nor post_norm), use_rope (a flag per layer; default: all), windows (a sliding window per "
              "layer, 0: full; default: all full), moe (a mixture of experts: num_experts, top_k, intermediate_size, "
-             "norm_topk_prob, round_weights, shared_intermediate_size, sparse_layers; a sparse layer reads "
-             "layers.{i}.{router, experts.gate_up [E, 2I, H], experts.down [E, H, I] (each expert may come packed, "
-             "[E, ceil(N / 16), K, 16]), shared_gate_up, shared_down, shared_gate} in place of gate_up, down). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
+             "norm_topk_prob, round_weights, shared_intermediate_size, sparse_layers, topk_softmax, swiglu_limit, "
+             "swiglu_alpha, routed_scaling_factor, num_groups, topk_groups, shared_gated; a sparse layer reads "
+             "layers.{i}.{router, router_bias, experts.gate_up [E, 2I, H], experts.down [E, H, I] (each expert may come packed, "
+             "[E, ceil(N / 16), K, 16]), experts.gate_up_bias [E, 2I], experts.down_bias [E, H], shared_gate_up, "
+             "shared_down, shared_gate} in place of gate_up, down), mla (DeepSeek-V2's latent attention: q_lora_rank, "
+             "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; a layer reads layers.{i}.mla.{q_a, q_a_norm, q, "
+             "kv_a, kv_a_norm, w_uk_t [Hq, L, nope], w_uv [Hq, v, L]} in place of qkv, and o is [H, Hq v]). tensors: name -> DLPack capsule or HostTensor (embed, norm, "
              "lm_head, cos_sin, layers.{i}.{input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, "
-             "gate_up, gate_up_bias, down, down_bias}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
+             "gate_up, gate_up_bias, down, down_bias, sinks (float32 [Hq])}); a float matmul [N, K] may come packed, [ceil(N / 16), K, 16] "
              "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "
              "or in parts <name>.part.<i>.* (rows: <name>.part_rows); without embed, the embedding is the "
              "packed lm_head (tied).")

@@ -54,10 +54,11 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_len_ptr, out_ptr,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    ctx: StepContext, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    # prefill chunks, sliding-window and soft-capped layers (neither here yet): torch
-    if not ctx.is_decode or window or softcap:
-        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, window=window, softcap=softcap)
+                    ctx: StepContext, scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # prefill chunks, sliding-window, soft-capped and sink layers (none here yet): torch
+    if not ctx.is_decode or window or softcap or sinks is not None:
+        return torch_ops.paged_attention(q, k_cache, v_cache, ctx, scale, window=window, softcap=softcap, sinks=sinks)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1

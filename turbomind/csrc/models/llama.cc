@@ -1,4 +1,5 @@
 #include "models/llama.h"
+#include "models/mla.h"
 #include "models/moe.h"
 
 #include <cmath>
@@ -105,6 +106,14 @@ void apply(const TensorView & x_in, const LinearWeights & w, const TensorView & 
     }
 }
 
+// acc += d elementwise, each sum rounded to the dtype (the residual add of a layer without pre-norms).
+void add_in_place(const TensorView & acc, const TensorView & d) {
+    const int64_t n = acc.numel();
+    for (int64_t i = 0; i < n; ++i) {
+        store_f32(acc.data, i, acc.dtype, load_f32(acc.data, i, acc.dtype) + load_f32(d.data, i, d.dtype));
+    }
+}
+
 }  // namespace
 
 void apply_linear(const TensorView & x, const LinearWeights & w, const TensorView & y, bool int8_activations) {
@@ -135,8 +144,15 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
         throw std::invalid_argument("LlamaModel: " + std::to_string(weights_.layers.size()) + " layers of weights for " +
                                     std::to_string(config_.num_layers) + " layers");
     }
+    if (config_.mla_cache_dim > 0 && quant_policy) {
+        throw std::invalid_argument("LlamaModel: the latent KV cache (mla_cache_dim) is not quantized; quant_policy must be 0");
+    }
     const size_t rows = static_cast<size_t>(num_blocks * block_size * config_.num_kv_heads);
     for (int64_t l = 0; l < config_.num_layers; ++l) {
+        if (config_.mla_cache_dim > 0) {  // one latent row a token (mla.h), kept in k_cache_
+            k_cache_.emplace_back(new uint8_t[num_blocks * block_size * config_.mla_cache_dim * dtype_size(dtype_)]);
+            continue;
+        }
         // new T[] without () leaves the pages untouched until a block is first written
         k_cache_.emplace_back(new uint8_t[rows * row_bytes()]);
         v_cache_.emplace_back(new uint8_t[rows * row_bytes()]);
@@ -153,6 +169,9 @@ int64_t LlamaModel::row_bytes() const {
 }
 
 int64_t LlamaModel::kv_bytes() const {
+    if (config_.mla_cache_dim > 0) {
+        return config_.num_layers * num_blocks_ * block_size_ * config_.mla_cache_dim * static_cast<int64_t>(dtype_size(dtype_));
+    }
     const int64_t per_row = row_bytes() + (quant_policy_ ? 2 * sizeof(float) : 0);
     return 2 * config_.num_layers * num_blocks_ * block_size_ * config_.num_kv_heads * per_row;
 }
@@ -206,7 +225,8 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         const DType cache_dtype = quant_policy_ ? DType::u8 : dtype_;
         const int64_t row = quant_policy_ ? row_bytes() : D;
         TensorView kc = view(k_cache_[l].get(), cache_dtype, {cache_shape[0], cache_shape[1], cache_shape[2], row});
-        TensorView vc = view(v_cache_[l].get(), cache_dtype, {cache_shape[0], cache_shape[1], cache_shape[2], row});
+        TensorView vc = view(v_cache_.empty() ? nullptr : v_cache_[l].get(), cache_dtype,  // none: latent (mla.h)
+                             {cache_shape[0], cache_shape[1], cache_shape[2], row});
         cpu::KVQuant kvq;
         if (quant_policy_) {
             kvq.bits = quant_policy_;
@@ -214,37 +234,52 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
             kvq.v_params = view(v_params_[l].get(), DType::f32, {cache_shape[0], cache_shape[1], cache_shape[2], 2});
         }
         const cpu::KVQuant * kv_quant = quant_policy_ ? &kvq : nullptr;
-        if (l == 0) {
+        if (!w.input_norm.data) {  // no pre-norm (OLMo 2): the attention reads the residual stream itself
+            if (l > 0) add_in_place(residual, delta);
+        } else if (l == 0) {
             cpu::rms_norm(residual, w.input_norm, eps, x, nullptr);
         } else {
             cpu::rms_norm(delta, w.input_norm, eps, x, &residual);
         }
-        apply(x, w.qkv, qkv, c.int8_activations);
-        if (c.qk_norm) {  // per head, in place, token by token: [heads, D] rows inside qkv
-            for (int64_t t = 0; t < T; ++t) {
-                auto * row = static_cast<uint8_t *>(qkv.data) + t * qkv_size * es;
-                TensorView qh = view(row, dtype_, {c.num_heads, D});
-                TensorView kh = view(row + q_size * es, dtype_, {c.num_kv_heads, D});
-                cpu::rms_norm(qh, w.q_norm, eps, qh, nullptr);
-                cpu::rms_norm(kh, w.k_norm, eps, kh, nullptr);
-            }
-        }
-        // a NoPE layer reads a table of no rotary dims: every dim of q and k passes through
-        const bool rope = c.use_rope.empty() || c.use_rope[l];
-        const bool local = !c.local_rope.empty() && c.local_rope[l];
-        const TensorView & table = local ? weights_.cos_sin_local : weights_.cos_sin;
-        const TensorView cos_sin = rope ? table : columns(table, 0, 0);
-        cpu::rope_fill_kv(qkv, pos, cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
-        const int64_t window = c.windows.empty() ? 0 : c.windows[l];
-        cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window,
-                                    c.attn_softcap);
-        apply(attn2d, w.o, delta, c.int8_activations);
-        if (w.attn_out_norm.data) cpu::rms_norm(delta, w.attn_out_norm, eps, delta, nullptr);
-        cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
-        if (w.moe) {
-            moe_forward(*w.moe, x, delta, c.int8_activations);
+        if (w.mla) {  // DeepSeek-V2's latent attention (mla.h): one cache row a token, o_proj included
+            const TensorView cache = view(k_cache_[l].get(), dtype_, {num_blocks_, block_size_, 1, c.mla_cache_dim});
+            mla_attention(*w.mla, w.o, c.num_heads, eps, scale, w.input_norm.data ? x : residual, pos, weights_.cos_sin,
+                          cache, slots, tables, row_seqs, lens, delta, c.int8_activations);
         } else {
-            apply(x, w.gate_up, gu, c.int8_activations);
+            apply(w.input_norm.data ? x : residual, w.qkv, qkv, c.int8_activations);
+            if (c.qk_norm) {  // in place, token by token: rows of [heads, D] (or of all heads at once) inside qkv
+                const int64_t q_rows = c.qk_norm_all_heads ? 1 : c.num_heads;
+                const int64_t k_rows = c.qk_norm_all_heads ? 1 : c.num_kv_heads;
+                for (int64_t t = 0; t < T; ++t) {
+                    auto * row = static_cast<uint8_t *>(qkv.data) + t * qkv_size * es;
+                    TensorView qh = view(row, dtype_, {q_rows, c.num_heads * D / q_rows});
+                    TensorView kh = view(row + q_size * es, dtype_, {k_rows, c.num_kv_heads * D / k_rows});
+                    cpu::rms_norm(qh, w.q_norm, eps, qh, nullptr);
+                    cpu::rms_norm(kh, w.k_norm, eps, kh, nullptr);
+                }
+            }
+            // a NoPE layer reads a table of no rotary dims: every dim of q and k passes through
+            const bool rope = c.use_rope.empty() || c.use_rope[l];
+            const bool local = !c.local_rope.empty() && c.local_rope[l];
+            const TensorView & table = local ? weights_.cos_sin_local : weights_.cos_sin;
+            const TensorView cos_sin = rope ? table : columns(table, 0, 0);
+            cpu::rope_fill_kv(qkv, pos, cos_sin, kc, vc, slots, q, c.num_heads, c.num_kv_heads, kv_quant);
+            const int64_t window = c.windows.empty() ? 0 : c.windows[l];
+            cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window,
+                                        c.attn_softcap, w.sinks.data ? w.sinks.ptr<float>() : nullptr);
+            apply(attn2d, w.o, delta, c.int8_activations);
+        }
+        if (w.attn_out_norm.data) cpu::rms_norm(delta, w.attn_out_norm, eps, delta, nullptr);
+        if (w.post_norm.data) {
+            cpu::rms_norm(delta, w.post_norm, eps, x, &residual);
+        } else {  // no pre-norm (OLMo 2): the MLP reads the residual stream itself
+            add_in_place(residual, delta);
+        }
+        const TensorView & mlp_in = w.post_norm.data ? x : residual;
+        if (w.moe) {
+            moe_forward(*w.moe, mlp_in, delta, c.int8_activations);
+        } else {
+            apply(mlp_in, w.gate_up, gu, c.int8_activations);
             if (c.gelu) {
                 cpu::gelu_tanh_and_mul(gu, act);
             } else {

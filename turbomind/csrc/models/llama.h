@@ -1,5 +1,5 @@
-// The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3) in C++ over a paged KV cache that the
-// model owns. One forward pass runs the tokens of any mix of sequences: each token row
+// The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 2/3, OLMo 2, GLM, GLM-4; DeepSeek-V2's
+// latent attention through mla.h) in C++ over a paged KV cache that the model owns. One forward pass runs the tokens of any mix of sequences: each token row
 // says which cache slot its K/V goes to, which sequence's blocks it reads and how many tokens
 // it sees.
 #pragma once
@@ -26,6 +26,8 @@ struct LlamaConfig {
     int64_t vocab_size = 0;
     float rms_norm_eps = 1e-6f;
     bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k before RoPE
+    bool qk_norm_all_heads = false;  // OLMo 2: qk_norm over all of q's (k's) heads at once, q_norm [Hq D]
+    bool pre_norms = true;  // RMSNorm on the attention's and the MLP's inputs (OLMo 2: none, they read the residual)
     std::vector<bool> use_rope;  // per layer: q and k rotated (SmolLM3's NoPE layers: false); empty: all
     // per layer: its sliding window (a query reads its last `window` tokens), 0: full attention;
     // empty: every layer full
@@ -42,6 +44,9 @@ struct LlamaConfig {
     // W4A16 and W8A16 matmuls take x quantized to int8 per 32 k (W4A8 of lib/kernels/csrc/cpu/gemm.h,
     // W8A8 by groups of quant.h): llama.cpp's Q4 / Q8_0 x Q8 arithmetic, no longer float-exact
     bool int8_activations = false;
+    // > 0: DeepSeek-V2's latent attention (mla.h) on every layer, whose cache holds one row of this many
+    // elements a token (no V cache)
+    int64_t mla_cache_dim = 0;
 };
 
 // Views of the weights, fused as the kernels want them; the Python side keeps the
@@ -81,19 +86,22 @@ struct LinearWeights {
 };
 
 struct MoeWeights;  // moe.h
+struct MlaWeights;  // mla.h
 
 struct LlamaLayerWeights {
-    TensorView input_norm;   // [H]
+    TensorView input_norm;   // [H], or none (LlamaConfig::pre_norms false)
     LinearWeights qkv;       // [(Hq + 2 Hk) D, H]
-    TensorView q_norm;       // [D]
-    TensorView k_norm;       // [D]
+    TensorView q_norm;       // [D]; [Hq D] with LlamaConfig::qk_norm_all_heads
+    TensorView k_norm;       // [D]; [Hk D] likewise
     LinearWeights o;         // [H, Hq D]
-    TensorView post_norm;    // [H] before the MLP
+    TensorView post_norm;    // [H] before the MLP, or none (LlamaConfig::pre_norms false)
     TensorView attn_out_norm;  // [H] on the attention's output (Gemma), or none
     TensorView mlp_out_norm;   // [H] on the MLP's output (Gemma), or none
     LinearWeights gate_up;   // [2 I, H]
     LinearWeights down;      // [H, I]
     std::shared_ptr<const MoeWeights> moe;  // a sparse layer's experts in place of gate_up / down (moe.h)
+    std::shared_ptr<const MlaWeights> mla;  // latent attention in place of qkv (mla.h; o is then [H, Hq v])
+    TensorView sinks;        // float32 [Hq]: each head's sink logit in its softmax (gpt-oss), or none
 };
 
 struct LlamaWeights {

@@ -53,10 +53,32 @@ void route(const MoeWeights & w, const float * logits, int64_t T, DType dtype, i
     std::vector<int32_t> order(static_cast<size_t>(E));
     for (int64_t t = 0; t < T; ++t) {
         const float * l = logits + t * E;
+        if (w.topk_softmax) {  // gpt-oss: the k largest logits, then a softmax over them
+            std::iota(order.begin(), order.end(), 0);
+            std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                              [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; ++j) sum += probs[j] = std::exp(l[order[j]] - l[order[0]]);
+            for (int64_t j = 0; j < k; ++j) {
+                ids[t * k + j] = order[j];
+                weights[t * k + j] = w.round_weights ? round_to(probs[j] / sum, dtype) : probs[j] / sum;
+            }
+            continue;
+        }
         const float top = *std::max_element(l, l + E);
         float sum = 0.0f;
         for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(l[e] - top);
         for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+        if (w.num_groups > 1) {  // DeepSeek-V2: only the experts of the topk_groups best groups stay eligible
+            const int64_t G = w.num_groups, per = E / G;
+            std::vector<float> best(static_cast<size_t>(G));
+            std::vector<int32_t> groups(static_cast<size_t>(G));
+            for (int64_t g = 0; g < G; ++g) best[g] = *std::max_element(probs.begin() + g * per, probs.begin() + (g + 1) * per);
+            std::iota(groups.begin(), groups.end(), 0);
+            std::partial_sort(groups.begin(), groups.begin() + w.topk_groups, groups.end(),
+                              [&](int32_t a, int32_t b) { return best[a] > best[b] || (best[a] == best[b] && a < b); });
+            for (int64_t g = w.topk_groups; g < G; ++g) std::fill(probs.begin() + groups[g] * per, probs.begin() + (groups[g] + 1) * per, 0.0f);
+        }
         std::iota(order.begin(), order.end(), 0);
         std::partial_sort(order.begin(), order.begin() + k, order.end(),
                           [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
@@ -65,6 +87,7 @@ void route(const MoeWeights & w, const float * logits, int64_t T, DType dtype, i
         for (int64_t j = 0; j < k; ++j) {
             float p = probs[order[j]];
             if (w.norm_topk_prob) p /= picked;
+            p *= w.routed_scaling_factor;
             ids[t * k + j] = order[j];
             weights[t * k + j] = w.round_weights ? round_to(p, dtype) : p;
         }
@@ -80,11 +103,30 @@ TensorView widened(const TensorView & x) {
     return matrix(f, DType::f32, x.size(0), x.size(1));
 }
 
-// y[T, H] = down(silu_and_mul(gate_up(x))), in the buffers gu and act of 2 I and I columns.
+// gpt-oss's clamped SwiGLU, act[T, I] from gu[T, 2 I] = [gate | up] (the file comment), in float32 and
+// rounded to the model dtype once, as transformers' float32 reference computes it.
+void clamped_swiglu(const TensorView & gu, const TensorView & act, float limit, float alpha) {
+    const int64_t T = gu.size(0), I = act.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < I; ++i) {
+            const float gate = std::fmin(load_f32(gu.data, t * 2 * I + i, gu.dtype), limit);
+            const float up = std::fmax(std::fmin(load_f32(gu.data, t * 2 * I + I + i, gu.dtype), limit), -limit);
+            store_f32(act.data, t * I + i, act.dtype, (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate))));
+        }
+    }
+}
+
+// y[T, H] = down(act(gate_up(x))), in the buffers gu and act of 2 I and I columns; act is silu_and_mul,
+// or the clamped SwiGLU where limit > 0.
 void swiglu(const TensorView & x, const LinearWeights & gate_up, const LinearWeights & down, const TensorView & gu,
-            const TensorView & act, const TensorView & y, bool int8_activations) {
+            const TensorView & act, const TensorView & y, bool int8_activations, float limit = 0.f,
+            float alpha = 1.f) {
     apply_linear(x, gate_up, gu, int8_activations);
-    cpu::silu_and_mul(gu, act);
+    if (limit > 0.f) {
+        clamped_swiglu(gu, act, limit, alpha);
+    } else {
+        cpu::silu_and_mul(gu, act);
+    }
     apply_linear(act, down, y, int8_activations);
 }
 
@@ -128,7 +170,7 @@ void moe_forward(const MoeWeights & w, const TensorView & x, const TensorView & 
         const int64_t r0 = start[e], n = start[e + 1] - start[e];
         if (n == 0) continue;
         swiglu(rows(xs, r0, n), w.gate_up[e], w.down[e], matrix(gu.data, dt, n, 2 * I), matrix(act.data, dt, n, I),
-               rows(ys, r0, n), int8_activations);
+               rows(ys, r0, n), int8_activations, w.swiglu_limit, w.swiglu_alpha);
     }
 
     // Qwen2-MoE's shared expert over every token, and its gate's logit
@@ -137,8 +179,10 @@ void moe_forward(const MoeWeights & w, const TensorView & x, const TensorView & 
         sout = matrix(s_sout.get<uint8_t>(T * H * es), dt, T, H);
         swiglu(x, w.shared_gate_up, w.shared_down, matrix(gu.data, dt, T, 2 * S), matrix(act.data, dt, T, S), sout,
                int8_activations);
-        gate = matrix(s_gate.get<float>(T), DType::f32, T, 1);
-        apply_linear(xf, w.shared_gate, gate, false);
+        if (w.shared_gated) {
+            gate = matrix(s_gate.get<float>(T), DType::f32, T, 1);
+            apply_linear(xf, w.shared_gate, gate, false);
+        }
     }
 
     // each token's sum in float32, its experts in top-k order, then the shared expert
@@ -151,7 +195,7 @@ void moe_forward(const MoeWeights & w, const TensorView & x, const TensorView & 
             for (int64_t h = 0; h < H; ++h) acc[h] += wj * load_f32(ys.data, base + h, dt);
         }
         if (S) {
-            const float g = 1.0f / (1.0f + std::exp(-gate.ptr<float>()[t]));
+            const float g = w.shared_gated ? 1.0f / (1.0f + std::exp(-gate.ptr<float>()[t])) : 1.0f;
             for (int64_t h = 0; h < H; ++h) acc[h] += g * load_f32(sout.data, t * H + h, dt);
         }
         for (int64_t h = 0; h < H; ++h) store_f32(out.data, t * H + h, dt, acc[h]);

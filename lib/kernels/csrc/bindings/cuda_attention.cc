@@ -16,7 +16,7 @@ bool aligned(const TensorView & v, uintptr_t bytes) { return reinterpret_cast<ui
 
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
                             float scale, py::handle out_h, uintptr_t stream, py::handle kp_h, py::handle vp_h,
-                            py::handle row_seqs_h, py::handle ws_h, int64_t window) {
+                            py::handle row_seqs_h, py::handle ws_h, int64_t window, py::handle sinks_h) {
     const char * op = "paged_decode_attention";
     const TensorView q = view_of_cuda(q_h, "q"), kc = view_of_cuda(k_h, "k_cache"), vc = view_of_cuda(v_h, "v_cache");
     const TensorView tables = view_of_cuda(tables_h, "block_tables"), lens = view_of_cuda(lens_h, "context_lens");
@@ -63,6 +63,14 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
            out.size(2) == D, "out", out, "must have q's shape and dtype");
     expect(B <= INT32_MAX && Hq <= 65535, "q", q, "must have fewer than 2^31 rows and 65536 heads");
     if (window < 0) fail("window = " + std::to_string(window) + " must be >= 0 (0: the whole context)");
+    const float * sinks = nullptr;
+    if (!sinks_h.is_none()) {
+        const TensorView s = view_of_cuda(sinks_h, "sinks");
+        expect_same_device({&q, &s}, op);
+        expect(s.ndim == 1 && s.size(0) == Hq && s.dtype == DType::f32 && s.contiguous(), "sinks", s,
+               "must be a contiguous float32 [Hq] tensor (a logit per query head)");
+        sinks = s.ptr<float>();
+    }
     float * workspace = nullptr;
     const int64_t need = cuda::paged_attention_workspace_floats(B, Hq, D, tables.size(1) * kc.size(1));
     if (!ws_h.is_none()) {
@@ -74,19 +82,21 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
         workspace = ws.ptr<float>();
     }
     py::gil_scoped_release release;
-    cuda::paged_attention(q, kc, vc, tables, row_seqs, lens, scale, out, kvq, workspace, stream_of(stream), window);
+    cuda::paged_attention(q, kc, vc, tables, row_seqs, lens, scale, out, kvq, workspace, stream_of(stream), window,
+                          sinks);
 }
 
 void bind(py::module_ & m) {
     m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"), py::arg("stream") = 0,
           py::arg("k_params") = py::none(), py::arg("v_params") = py::none(), py::arg("row_seqs") = py::none(),
-          py::arg("workspace") = py::none(), py::arg("window") = 0,
+          py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("sinks") = py::none(),
           "ops.paged_decode_attention on the GPU: out[B, Hq, D], query row b attends to the first context_lens[b] "
           "tokens of its table (block_tables[b], or block_tables[row_seqs[b]]: prefill rows of one sequence "
           "share a table, each with its causal length). k_params/v_params: a quantized cache (uint8, 8 or 4 "
           "bits). workspace: float32, paged_attention_workspace_size(...) elements (None: allocated on the "
-          "stream when needed). window > 0: each row attends to its last window tokens only. A row with a "
+          "stream when needed). window > 0: each row attends to its last window tokens only. sinks: float32 "
+          "[Hq], each head's logit in its softmax's denominator (gpt-oss). A row with a "
           "length or table entry outside the cache gets NaN.");
     m.def("paged_attention_workspace_size", &cuda::paged_attention_workspace_floats, py::arg("num_rows"),
           py::arg("num_heads"), py::arg("head_dim"), py::arg("max_context"),

@@ -42,7 +42,7 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
 
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
                             float scale, py::handle out_h, bool reference, py::handle kp_h, py::handle vp_h,
-                            int64_t window, float softcap) {
+                            int64_t window, float softcap, py::handle sinks_h) {
     const TensorView q = view_of(q_h, "q"), kc = view_of(k_h, "k_cache"), vc = view_of(v_h, "v_cache");
     const TensorView tables = view_of(tables_h, "block_tables"), lens = view_of(lens_h, "context_lens");
     const TensorView out = view_of(out_h, "out");
@@ -61,6 +61,13 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
     const int32_t * table = tables.ptr<int32_t>();
     if (window < 0) fail("window = " + std::to_string(window) + " must be >= 0 (0: the whole context)");
     if (!(softcap >= 0.f)) fail("softcap = " + std::to_string(softcap) + " must be >= 0 (0: none)");
+    const float * sinks = nullptr;
+    if (!sinks_h.is_none()) {
+        const TensorView s = view_of(sinks_h, "sinks");
+        expect(s.ndim == 1 && s.size(0) == q.size(1) && s.dtype == DType::f32 && s.contiguous(), "sinks", s,
+               "must be a contiguous float32 [Hq] tensor (a logit per query head)");
+        sinks = s.ptr<float>();
+    }
     const int64_t block_size = kc.size(1), num_blocks = kc.size(0), max_blocks = tables.size(1);
     for (int64_t b = 0; b < q.size(0); ++b) {  // a bad table must be an error, not a wild read
         if (len[b] < 1 || (len[b] + block_size - 1) / block_size > max_blocks) {
@@ -78,7 +85,7 @@ void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::
     }
     py::gil_scoped_release release;
     cpu::paged_decode_attention(q, kc, vc, tables, lens, scale, out, quantized ? &kvq : nullptr, reference, window,
-                                softcap);
+                                softcap, sinks);
 }
 
 void rms_norm(py::handle x_h, py::handle w_h, float eps, py::handle out_h, py::handle residual_h, bool reference) {
@@ -159,6 +166,7 @@ void gelu_tanh_and_mul(py::handle x_h, py::handle out_h) {
 void bind_quant(py::module_ & ops);  // bindings/quant.cc
 void bind_gemm(py::module_ & ops);   // bindings/gemm.cc
 void bind_gguf(py::module_ & ops);   // bindings/gguf.cc
+void bind_mla(py::module_ & ops);    // bindings/mla.cc
 
 void bind_ops(py::module_ & m) {
     py::module_ ops = m.def_submodule("ops", "The CPU kernels on DLPack tensors");
@@ -178,10 +186,11 @@ void bind_ops(py::module_ & m) {
     ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
             py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
             py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
-            py::arg("window") = 0, py::arg("softcap") = 0.f,
+            py::arg("window") = 0, py::arg("softcap") = 0.f, py::arg("sinks") = py::none(),
             "out[B, Hq, D]: each query attends to its sequence's context_lens[b] cached tokens (with window > 0, "
             "the last window of them only: a sliding-window layer; with softcap > 0, each scaled score s becomes "
-            "tanh(s / softcap) * softcap: Gemma 2). With k_params and v_params (float32 "
+            "tanh(s / softcap) * softcap: Gemma 2; with sinks, float32 [Hq], each head's sink logit joins the "
+            "softmax's denominator: gpt-oss). With k_params and v_params (float32 "
             "[num_blocks, block_size, Hk, 2]: scale, zero), the caches are quantized: uint8 [..., D] (8 bits) or "
             "[..., D / 2] (4 bits).");
     ops.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
@@ -203,6 +212,7 @@ void bind_ops(py::module_ & m) {
     bind_quant(ops);
     bind_gguf(ops);
     bind_gemm(ops);
+    bind_mla(ops);
 }
 
 }  // namespace lmd

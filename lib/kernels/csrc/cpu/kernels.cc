@@ -70,8 +70,8 @@ namespace {
 // sequence's table as a one-row view with stride 0, so the tasks index it by b unchanged.
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
-                     float scale, float softcap, const TensorView & out, const KVQuant * kv_quant, bool reference,
-                     int64_t window) {
+                     float scale, float softcap, const float * sinks, const TensorView & out, const KVQuant * kv_quant,
+                     bool reference, int64_t window) {
     const int64_t B = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
     const int32_t * lens = context_lens.ptr<int32_t>();
@@ -92,13 +92,14 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
             table.strides[0] = 0;
         }
         if (vector && kv_quant) {
-            avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, softcap, out, *kv_quant, b,
-                                              first, h, s.data());
+            avx2::decode_attention_quant_task(q, k_cache, v_cache, table, context_lens, scale, softcap, sinks, out,
+                                              *kv_quant, b, first, h, s.data());
         } else if (vector) {
-            avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, softcap, out, b, first, h, s.data());
+            avx2::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, softcap, sinks, out, b, first, h,
+                                        s.data());
         } else {
-            ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, softcap, out, kv_quant, b, first, h,
-                                       s.data());
+            ref::decode_attention_task(q, k_cache, v_cache, table, context_lens, scale, softcap, sinks, out, kv_quant, b,
+                                       first, h, s.data());
         }
     });
 }
@@ -108,16 +109,18 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
                             const TensorView & out, const KVQuant * kv_quant, bool reference, int64_t window,
-                            float softcap) {
-    paged_attention(q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, softcap, out, kv_quant, reference, window);
+                            float softcap, const float * sinks) {
+    paged_attention(q, k_cache, v_cache, block_tables, nullptr, context_lens, scale, softcap, sinks, out, kv_quant,
+                    reference, window);
 }
 
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & row_seqs,
                             const TensorView & context_lens, float scale, const TensorView & out,
-                            const KVQuant * kv_quant, bool reference, int64_t window, float softcap) {
-    paged_attention(q, k_cache, v_cache, block_tables, row_seqs.ptr<int32_t>(), context_lens, scale, softcap, out, kv_quant,
-                    reference, window);
+                            const KVQuant * kv_quant, bool reference, int64_t window, float softcap,
+                            const float * sinks) {
+    paged_attention(q, k_cache, v_cache, block_tables, row_seqs.ptr<int32_t>(), context_lens, scale, softcap, sinks, out,
+                    kv_quant, reference, window);
 }
 
 namespace {

@@ -37,19 +37,21 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 // window > 0 (a sliding-window layer): each query attends to its last `window` tokens only,
 // [max(0, len - window), len); the table's entries before them are never read (their blocks
 // may have been freed). softcap > 0 (Gemma 2): each scaled score s becomes tanh(s / softcap) * softcap
-// before the softmax. q, out and the caches share a dtype; scores and softmax run in float32.
+// before the softmax. sinks (gpt-oss; null: none): float32 [Hq], a learned logit per query head
+// that joins its softmax's denominator, a key without a value: p_t = exp(s_t) / (exp(sink) + sum exp(s)).
+// q, out and the caches share a dtype; scores and softmax run in float32.
 // With kv_quant, the caches hold quantized rows (KVQuant, core/tensor.h).
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & context_lens, float scale,
                             const TensorView & out, const KVQuant * kv_quant = nullptr, bool reference = false,
-                            int64_t window = 0, float softcap = 0.f);
+                            int64_t window = 0, float softcap = 0.f, const float * sinks = nullptr);
 // The same over query rows of several sequences, each sequence's table given once:
 // block_tables: [S, max_blocks] int32; row_seqs: [B] int32, the table each query row reads.
 void paged_decode_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                             const TensorView & block_tables, const TensorView & row_seqs,
                             const TensorView & context_lens, float scale, const TensorView & out,
                             const KVQuant * kv_quant = nullptr, bool reference = false, int64_t window = 0,
-                            float softcap = 0.f);
+                            float softcap = 0.f, const float * sinks = nullptr);
 
 // out[M, H] = rms_norm(x) * w, normalised in float32; with `residual` (same shape as x):
 // residual += x first and the sum is normalised (the pre-norm residual stream).
@@ -78,8 +80,8 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
                  int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           float softcap, const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
-                           int64_t kv_head, float * scratch);
+                           float softcap, const float * sinks, const TensorView & out, const KVQuant * kv_quant,
+                           int64_t b, int64_t first, int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
 void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
@@ -96,14 +98,13 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
                  const TensorView & y, int64_t n0, int64_t n1);
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           float softcap, const TensorView & out, int64_t b, int64_t first, int64_t kv_head,
-                           float * scratch);
+                           float softcap, const float * sinks, const TensorView & out, int64_t b, int64_t first,
+                           int64_t kv_head, float * scratch);
 // the same over a quantized cache (kv_quant_avx2.cc); head_dim a multiple of 8
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale,
-                                 float softcap, const TensorView & out, const KVQuant & kv_quant, int64_t b,
-                                 int64_t first,
-                                 int64_t kv_head, float * scratch);
+                                 float softcap, const float * sinks, const TensorView & out, const KVQuant & kv_quant,
+                                 int64_t b, int64_t first, int64_t kv_head, float * scratch);
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
 void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);

@@ -106,7 +106,7 @@ void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const Ten
 template <typename T, int NV>
 void decode_attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                        const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                        const float * sinks, const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -159,8 +159,9 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             _mm256_store_ps(tmp, vmax);
             for (float v : tmp) max_s = std::fmax(max_s, v);
         }
+        if (sinks) max_s = std::fmax(max_s, sinks[h]);  // the sink's logit joins the softmax (gpt-oss)
         // probabilities, unnormalised; the sum divides the output once
-        const float sum = exp_shifted(s, n, max_s);
+        const float sum = exp_shifted(s, n, max_s) + (sinks ? std::exp(sinks[h] - max_s) : 0.f);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t t0 = first; t0 < len;) {
@@ -183,11 +184,11 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
 template <typename T>
 void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                        const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                        const float * sinks, const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
-        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
-        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        case 64: decode_attention_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
+        case 128: decode_attention_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
+        default: decode_attention_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
     }
 }
 
@@ -281,11 +282,11 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                           const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                           const float * sinks, const TensorView & out, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
-        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
-        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, b, first, kv_head, scratch); break;
+        case DType::f32: decode_attention_d<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
+        case DType::bf16: decode_attention_d<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
+        case DType::f16: decode_attention_d<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b, first, kv_head, scratch); break;
         default: break;
     }
 }

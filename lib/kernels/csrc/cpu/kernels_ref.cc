@@ -24,8 +24,8 @@ void linear_rows(const TensorView & x, const TensorView & w, const TensorView * 
 
 void decode_attention_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
-                           float softcap, const TensorView & out, const KVQuant * kv_quant, int64_t b, int64_t first,
-                           int64_t kv_head, float * scores) {
+                           float softcap, const float * sinks, const TensorView & out, const KVQuant * kv_quant,
+                           int64_t b, int64_t first, int64_t kv_head, float * scores) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -53,7 +53,9 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
             scores[t - first] = softcap > 0.f ? softcap * std::tanh(s * scale / softcap) : s * scale;
             max_s = std::fmax(max_s, scores[t - first]);
         }
-        float sum = 0.f;
+        // a sink (gpt-oss): one more logit in the softmax's denominator, a key without a value
+        if (sinks) max_s = std::fmax(max_s, sinks[h]);
+        float sum = sinks ? std::exp(sinks[h] - max_s) : 0.f;
         for (int64_t t = first; t < len; ++t) {
             scores[t - first] = std::exp(scores[t - first] - max_s);
             sum += scores[t - first];

@@ -40,7 +40,7 @@ inline __m256 load_codes<4>(const uint8_t * row, int64_t i) {
 template <typename T, int BITS, int NV>
 void attention_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                  const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                 const float * sinks, const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     const int64_t num_heads = q.size(1), D = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t group = num_heads / num_kv_heads;
@@ -89,7 +89,8 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
             if (softcap > 0.f) s[t - first] = softcap * std::tanh(s[t - first] / softcap);  // Gemma 2
             max_s = std::fmax(max_s, s[t - first]);
         }
-        const float sum = exp_shifted(s, len - first, max_s);
+        if (sinks) max_s = std::fmax(max_s, sinks[h]);  // the sink's logit joins the softmax (gpt-oss)
+        const float sum = exp_shifted(s, len - first, max_s) + (sinks ? std::exp(sinks[h] - max_s) : 0.f);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         float zero_acc = 0.f;
@@ -111,22 +112,22 @@ void attention_t(const TensorView & q, const TensorView & k_cache, const TensorV
 template <typename T, int BITS>
 void attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                  const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                 const float * sinks, const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     switch (q.size(2)) {
-        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
-        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
-        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        case 64: attention_t<T, BITS, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
+        case 128: attention_t<T, BITS, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
+        default: attention_t<T, BITS, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
     }
 }
 
 template <typename T>
 void attention_bits(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                     const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                    const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
+                    const float * sinks, const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first, int64_t kv_head, float * scratch) {
     if (kvq.bits == 8) {
-        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch);
+        attention_d<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch);
     } else {
-        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch);
+        attention_d<T, 4>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch);
     }
 }
 
@@ -134,12 +135,12 @@ void attention_bits(const TensorView & q, const TensorView & k_cache, const Tens
 
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
-                                 const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first,
+                                 const float * sinks, const TensorView & out, const KVQuant & kvq, int64_t b, int64_t first,
                                  int64_t kv_head, float * scratch) {
     switch (q.dtype) {
-        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
-        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
-        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, out, kvq, b, first, kv_head, scratch); break;
+        case DType::f32: attention_bits<float>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
+        case DType::bf16: attention_bits<bf16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
+        case DType::f16: attention_bits<f16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, kvq, b, first, kv_head, scratch); break;
         default: break;
     }
 }

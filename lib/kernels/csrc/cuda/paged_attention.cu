@@ -5,6 +5,8 @@
 // partition leaves each partition's (max, sum, unnormalised Σ p v) in a float workspace and
 // combine_kernel merges them by log-sum-exp. Only the summation order differs from the reference.
 // A sliding-window row (window > 0) reads its last `window` tokens, partitions counted from the first.
+// An attention sink (gpt-oss) joins the softmax once: in the block's max and sum when one partition
+// covers the row, else in combine_kernel's.
 #include <cmath>
 
 #include "cuda/common.cuh"
@@ -36,6 +38,7 @@ struct Args {
     int num_blocks, block_size, num_kv_heads, group, num_heads, D, parts;
     int window;  // > 0: a row attends to its last `window` tokens only
     float scale;
+    const float * sinks;  // [Hq] a logit per head in each softmax's denominator, or null
 };
 
 // Bytes read as one aligned unit (16-byte loads for 16 and 32 bytes).
@@ -158,7 +161,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Args a) {
         }
         return;
     }
-    const float m = block_max(max_s);  // synchronises: p is complete
+    // synchronises: p is complete. One partition: the sink's logit joins here (else in combine_kernel)
+    const bool sink = a.sinks && !a.ws;
+    const float m = sink ? fmaxf(block_max(max_s), a.sinks[h]) : block_max(max_s);
     float sum = 0.f;
     for (int i = threadIdx.x; i < t1 - t0; i += kThreads) {
         const float e = expf(p[i] - m);
@@ -166,6 +171,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Args a) {
         sum += e;
     }
     sum = block_sum(sum);  // synchronises: the exponentials are visible to every warp
+    if (sink) sum += expf(a.sinks[h] - m);
 
     float acc[E] = {};
     for (int t = t0 + warp; t < t1; t += kWarps) {
@@ -215,7 +221,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Args a) {
     const float * w = a.ws + (int64_t(b) * a.num_heads + h) * a.parts * stride;
     float M = -INFINITY;
     for (int i = 0; i < n; ++i) M = fmaxf(M, w[i * stride + a.D]);
-    float S = 0.f;
+    if (a.sinks) M = fmaxf(M, a.sinks[h]);
+    float S = a.sinks ? expf(a.sinks[h] - M) : 0.f;
     for (int i = 0; i < n; ++i) S += w[i * stride + a.D + 1] * expf(w[i * stride + a.D] - M);
     T * o = static_cast<T *>(a.out) + b * a.o_row + h * a.o_head;
     for (int d = threadIdx.x; d < a.D; d += kThreads) {
@@ -256,7 +263,7 @@ int64_t paged_attention_workspace_floats(int64_t rows, int64_t num_heads, int64_
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
                      float scale, const TensorView & out, const PagedKVQuant & kv_quant, float * workspace,
-                     cudaStream_t stream, int64_t window) {
+                     cudaStream_t stream, int64_t window, const float * sinks) {
     const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
     if (B == 0 || Hq == 0) return;
     const int E = lane_elems(D);
@@ -286,6 +293,7 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
     a.D = static_cast<int>(D);
     a.scale = scale;
     a.window = static_cast<int>(std::min<int64_t>(window, INT32_MAX));
+    a.sinks = sinks;
     const int64_t max_context = block_tables.size(1) * k_cache.size(1);
     a.parts = static_cast<int>(ceil_div(std::max<int64_t>(max_context, 1), kAttentionPartition));
     const int64_t ws_floats = paged_attention_workspace_floats(B, Hq, D, max_context);

@@ -41,9 +41,10 @@ int64_t paged_attention_workspace_floats(int64_t rows, int64_t num_heads, int64_
 // workspace: paged_attention_workspace_floats(...) float32 elements of device memory; null: the
 // call allocates it on the stream (cudaMallocAsync) when it needs one. window > 0: each row attends
 // to its last `window` tokens only (a sliding-window layer; table entries before them are not read).
+// sinks (gpt-oss; null: none): float32 [Hq] on the device, each head's logit in its softmax's denominator.
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                      const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
                      float scale, const TensorView & out, const PagedKVQuant & kv_quant, float * workspace,
-                     cudaStream_t stream, int64_t window = 0);
+                     cudaStream_t stream, int64_t window = 0, const float * sinks = nullptr);
 
 }  // namespace lmd::cuda

@@ -1,5 +1,6 @@
-"""GGUF files of SmolLM3, Gemma 2 / 3 and the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE), written as
-llama.cpp's converter writes them, read by both engines and compared with HF float32 on the same weights.
+"""GGUF files of SmolLM3, Gemma 2 / 3, OLMo 2, GLM-4 and the MoE families (Mixtral, Qwen2-MoE,
+Qwen3-MoE), written as llama.cpp's converter writes them, read by both engines and compared with HF
+float32 on the same weights (Phi-3's: tests/test_gguf_families.py).
 
 What the converter does that the reader undoes: q/k rows permuted to interleaved RoPE pairs (the
 'llama' layout: SmolLM3, Mixtral); Gemma's RMSNorm weights stored as (1 + w); the experts of a layer
@@ -47,6 +48,9 @@ FAMILIES = {
     'gemma3': ('gemma3', 'Gemma3TextConfig', 'Gemma3ForCausalLM',
                dict(num_hidden_layers=6, intermediate_size=96, sliding_window=8, query_pre_attn_scalar=16,
                     rope_theta=100000.0, rope_local_base_freq=10000.0)),
+    'olmo2': ('olmo2', 'Olmo2Config', 'Olmo2ForCausalLM', dict(num_hidden_layers=2, intermediate_size=96)),
+    'glm4': ('glm4', 'Glm4Config', 'Glm4ForCausalLM',
+             dict(num_hidden_layers=2, intermediate_size=96, partial_rotary_factor=0.5, attention_bias=True)),
     'mixtral': ('llama', 'MixtralConfig', 'MixtralForCausalLM',
                 dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
     'qwen2_moe': ('qwen2moe', 'Qwen2MoeConfig', 'Qwen2MoeForCausalLM',
@@ -95,6 +99,9 @@ def write_gguf(model_dir: str, arch: str, path: str) -> None:
     rope = cfg.get('rope_parameters') or {}
     rope = rope.get('full_attention', rope)
     w.add_rope_freq_base(rope.get('rope_theta', cfg.get('rope_theta', 10000.0)))
+    rotary = rope.get('partial_rotary_factor', cfg.get('partial_rotary_factor'))
+    if rotary:
+        w.add_rope_dimension_count(int(cfg['head_dim'] * rotary))
     if arch.startswith('gemma'):
         w.add_sliding_window(cfg['sliding_window'])
         if cfg.get('attn_logit_softcapping'):
