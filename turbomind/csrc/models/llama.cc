@@ -1,6 +1,7 @@
 #include "models/llama.h"
 #include "models/mla.h"
 #include "models/moe.h"
+#include "models/views.h"
 
 #include <cmath>
 #include <cstring>
@@ -17,31 +18,6 @@ namespace turbomind {
 
 namespace {
 
-// A contiguous view over memory this file owns.
-TensorView view(void * data, DType dtype, std::initializer_list<int64_t> shape) {
-    TensorView v;
-    v.data = data;
-    v.dtype = dtype;
-    v.ndim = static_cast<int>(shape.size());
-    int i = 0;
-    for (int64_t s : shape) v.shape[i++] = s;
-    int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-        v.strides[d] = stride;
-        stride *= v.shape[d];
-    }
-    return v;
-}
-
-// Scratch that grows to the largest step seen and is reused.
-struct Buffer {
-    std::vector<uint8_t> bytes;
-    void * get(size_t n) {
-        if (bytes.size() < n) bytes.resize(n);
-        return bytes.data();
-    }
-};
-
 const TensorView * opt(const TensorView & t) { return t.data ? &t : nullptr; }
 
 // Columns [n0, n0 + n) of y (rows keep y's stride), and of a bias.
@@ -54,7 +30,7 @@ TensorView columns(const TensorView & t, int64_t n0, int64_t n) {
 
 // x[:, perm] into thread-local scratch: [M, K] contiguous, x's dtype (any row stride in x).
 TensorView gather_columns(const TensorView & x, const TensorView & perm) {
-    static thread_local Buffer b_gather;
+    static thread_local Scratch b_gather;
     const int64_t M = x.size(0), K = perm.size(0), ld = x.stride(0);
     const int32_t * p = perm.ptr<int32_t>();
     TensorView out = view(b_gather.get(M * K * dtype_size(x.dtype)), x.dtype, {M, K});
@@ -186,7 +162,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
     const float scale = c.attn_scale > 0.f ? c.attn_scale : 1.0f / std::sqrt(static_cast<float>(D));
     if (T == 0) return;
 
-    static thread_local Buffer b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act, b_out;
+    static thread_local Scratch b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act, b_out;
     TensorView residual = view(b_res.get(T * H * es), dtype_, {T, H});
     TensorView x = view(b_x.get(T * H * es), dtype_, {T, H});
     TensorView qkv = view(b_qkv.get(T * qkv_size * es), dtype_, {T, qkv_size});

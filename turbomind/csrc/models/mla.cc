@@ -6,47 +6,11 @@
 #include "cpu/kernels.h"
 #include "cpu/mla_attention.h"
 #include "models/moe.h"  // apply_linear
+#include "models/views.h"
 
 namespace turbomind {
 
 namespace {
-
-// Per-thread scratch that grows to the largest step seen and is reused.
-struct Scratch {
-    std::vector<uint8_t> bytes;
-    void * get(size_t n) {
-        if (bytes.size() < n) bytes.resize(n);
-        return bytes.data();
-    }
-};
-
-// A [rows, cols] view at `data` whose rows lie `ld` elements apart.
-TensorView strided(void * data, DType dtype, int64_t rows, int64_t cols, int64_t ld) {
-    TensorView v;
-    v.data = data;
-    v.dtype = dtype;
-    v.ndim = 2;
-    v.shape[0] = rows;
-    v.shape[1] = cols;
-    v.strides[0] = ld;
-    v.strides[1] = 1;
-    return v;
-}
-
-TensorView contiguous(void * data, DType dtype, std::initializer_list<int64_t> shape) {
-    TensorView v;
-    v.data = data;
-    v.dtype = dtype;
-    v.ndim = static_cast<int>(shape.size());
-    int i = 0;
-    for (int64_t s : shape) v.shape[i++] = s;
-    int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-        v.strides[d] = stride;
-        stride *= v.shape[d];
-    }
-    return v;
-}
 
 // The n elements at `data` rotated NeoX style by position p's row of cos_sin [max_position, n], in float32.
 void rotate(void * data, DType dt, int64_t n, const TensorView & cos_sin, int64_t p) {
@@ -63,7 +27,7 @@ uint8_t * at(const TensorView & t, int64_t elems) { return static_cast<uint8_t *
 
 // Head h's matrix of a contiguous [heads, N, K] stack.
 TensorView head(const TensorView & stack, int64_t h) {
-    return contiguous(at(stack, h * stack.size(1) * stack.size(2)), stack.dtype, {stack.size(1), stack.size(2)});
+    return view(at(stack, h * stack.size(1) * stack.size(2)), stack.dtype, {stack.size(1), stack.size(2)});
 }
 
 }  // namespace
@@ -80,10 +44,10 @@ void mla_attention(const MlaWeights & w, const LinearWeights & o, int64_t num_he
     static thread_local Scratch s_qa, s_q, s_kv, s_ql, s_ol, s_heads;
 
     // q [T, Hq, nope + rope], through the low-rank pair where there is one
-    const TensorView q = contiguous(s_q.get(T * Hq * Dq * es), dt, {T, Hq * Dq});
+    const TensorView q = view(s_q.get(T * Hq * Dq * es), dt, {T, Hq * Dq});
     if (w.q_a_norm.data) {
         const int64_t r = w.q_a_norm.size(0);
-        const TensorView qa = contiguous(s_qa.get(T * r * es), dt, {T, r});
+        const TensorView qa = view(s_qa.get(T * r * es), dt, {T, r});
         apply_linear(x, w.q_a, qa, int8_activations);
         cpu::rms_norm(qa, w.q_a_norm, eps, qa, nullptr);
         apply_linear(qa, w.q, q, int8_activations);
@@ -91,7 +55,7 @@ void mla_attention(const MlaWeights & w, const LinearWeights & o, int64_t num_he
         apply_linear(x, w.q, q, int8_activations);
     }
     // each row's [latent | key]: the latent normed, the key and q's rope dims rotated, then into the cache
-    const TensorView kv = contiguous(s_kv.get(T * Dc * es), dt, {T, Dc});
+    const TensorView kv = view(s_kv.get(T * Dc * es), dt, {T, Dc});
     apply_linear(x, w.kv_a, kv, int8_activations);
     const TensorView latent = strided(kv.data, dt, T, L, Dc);
     cpu::rms_norm(latent, w.kv_a_norm, eps, latent, nullptr);
@@ -103,16 +67,16 @@ void mla_attention(const MlaWeights & w, const LinearWeights & o, int64_t num_he
         std::memcpy(at(cache, slot[t] * Dc), at(kv, t * Dc), Dc * es);
     }
     // the latent queries [T, Hq, L + rope]: q_nope · W_UK per head, then q_pe
-    const TensorView ql = contiguous(s_ql.get(T * Hq * Dc * es), dt, {T, Hq, Dc});
+    const TensorView ql = view(s_ql.get(T * Hq * Dc * es), dt, {T, Hq, Dc});
     for (int64_t h = 0; h < Hq; ++h) {
         cpu::linear(strided(at(q, h * Dq), dt, T, nope, Hq * Dq), head(w.w_uk_t, h), nullptr,
                     strided(at(ql, h * Dc), dt, T, L, Hq * Dc));
         for (int64_t t = 0; t < T; ++t) std::memcpy(at(ql, (t * Hq + h) * Dc + L), at(q, (t * Hq + h) * Dq + nope), R * es);
     }
-    const TensorView ol = contiguous(s_ol.get(T * Hq * L * es), dt, {T, Hq, L});
+    const TensorView ol = view(s_ol.get(T * Hq * L * es), dt, {T, Hq, L});
     cpu::paged_latent_attention(ql, cache, tables, row_seqs.ptr<int32_t>(), lens, scale, ol);
     // each head's output, latent · W_UVᵀ, side by side [T, Hq v], then o_proj
-    const TensorView heads = contiguous(s_heads.get(T * Hq * V * es), dt, {T, Hq * V});
+    const TensorView heads = view(s_heads.get(T * Hq * V * es), dt, {T, Hq * V});
     for (int64_t h = 0; h < Hq; ++h) {
         cpu::linear(strided(at(ol, h * L), dt, T, L, Hq * L), head(w.w_uv, h), nullptr,
                     strided(at(heads, h * V), dt, T, V, Hq * V));

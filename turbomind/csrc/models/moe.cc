@@ -1,4 +1,5 @@
 #include "models/moe.h"
+#include "models/views.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,29 +12,8 @@ namespace turbomind {
 
 namespace {
 
-// Per-thread scratch that grows to the largest step seen and is reused.
-struct Scratch {
-    std::vector<uint8_t> bytes;
-    template <typename T>
-    T * get(int64_t n) {
-        const size_t size = static_cast<size_t>(n) * sizeof(T);
-        if (bytes.size() < size) bytes.resize(size);
-        return reinterpret_cast<T *>(bytes.data());
-    }
-};
-
 // A contiguous [rows, cols] view of `data`.
-TensorView matrix(void * data, DType dtype, int64_t rows, int64_t cols) {
-    TensorView v;
-    v.data = data;
-    v.dtype = dtype;
-    v.ndim = 2;
-    v.shape[0] = rows;
-    v.shape[1] = cols;
-    v.strides[0] = cols;
-    v.strides[1] = 1;
-    return v;
-}
+TensorView matrix(void * data, DType dtype, int64_t rows, int64_t cols) { return view(data, dtype, {rows, cols}); }
 
 // Rows [r0, r0 + n) of a contiguous matrix.
 TensorView rows(const TensorView & m, int64_t r0, int64_t n) {
