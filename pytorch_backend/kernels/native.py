@@ -99,14 +99,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Prefill chunks too: each new token is a query over its own visible context (the
     # tokens up to its position), so one kernel serves every row of the step, and a
     # token's attention is computed the same way in a prefill chunk as in a decode step.
-    rows = ctx.derived.get('native_rows')
+    tables = ctx.derived.get('native_row_tables')
+    seq_of_row, visible = _row_prefixes(ctx)
+    if tables is None:
+        tables = ctx.derived['native_row_tables'] = ctx.block_tables.index_select(0, seq_of_row.long())
+    return _decode_attention(q, k_cache, v_cache, tables, visible, scale, params)
+
+
+def _row_prefixes(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sequence of each row of the step, the tokens each row sees: its own visible prefix), int32
+    [T] each; computed once a step (``ctx.derived``), for every layer's attention."""
+    rows = ctx.derived.get('native_row_prefixes')
     if rows is None:
         seq_of_row = torch.repeat_interleave(torch.arange(ctx.num_seqs), ctx.query_lens.long())
         first_row = ctx.cu_query_lens[:-1].long().repeat_interleave(ctx.query_lens.long())
         history = (ctx.context_lens - ctx.query_lens).long()[seq_of_row]
-        visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
-        rows = ctx.derived['native_rows'] = (ctx.block_tables.index_select(0, seq_of_row), visible)
-    return _decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale, params)
+        visible = (history + torch.arange(len(seq_of_row)) - first_row + 1).to(torch.int32)
+        rows = ctx.derived['native_row_prefixes'] = (seq_of_row.to(torch.int32), visible)
+    return rows
 
 
 def paged_latent_attention(q: torch.Tensor, cache: torch.Tensor, ctx: StepContext, scale: float,
@@ -121,15 +131,9 @@ def paged_latent_attention(q: torch.Tensor, cache: torch.Tensor, ctx: StepContex
         ops.paged_latent_attention(to_dlpack(q), to_dlpack(cache), to_dlpack(ctx.block_tables),
                                    to_dlpack(ctx.context_lens), scale, to_dlpack(out))
         return out
-    rows = ctx.derived.get('native_latent_rows')
-    if rows is None:
-        seq_of_row = torch.repeat_interleave(torch.arange(ctx.num_seqs), ctx.query_lens.long())
-        first_row = ctx.cu_query_lens[:-1].long().repeat_interleave(ctx.query_lens.long())
-        history = (ctx.context_lens - ctx.query_lens).long()[seq_of_row]
-        visible = (history + torch.arange(q.shape[0]) - first_row + 1).to(torch.int32)
-        rows = ctx.derived['native_latent_rows'] = (seq_of_row.to(torch.int32), visible)
-    ops.paged_latent_attention(to_dlpack(q), to_dlpack(cache), to_dlpack(ctx.block_tables), to_dlpack(rows[1]), scale,
-                               to_dlpack(out), row_seqs=to_dlpack(rows[0]))
+    seq_of_row, visible = _row_prefixes(ctx)
+    ops.paged_latent_attention(to_dlpack(q), to_dlpack(cache), to_dlpack(ctx.block_tables), to_dlpack(visible), scale,
+                               to_dlpack(out), row_seqs=to_dlpack(seq_of_row))
     return out
 
 
