@@ -32,7 +32,7 @@ from lmd.weights.moe import moe_prefix, shared_expert_names, stack_experts
 from lmd.weights.schema import check_weights, matmul_parts
 
 from ..context import StepContext
-from ..kernels import Kernels, get_kernels, prepare_matmul
+from ..kernels import Kernels, prepare_matmul
 from .llama import CausalLM
 
 
@@ -97,22 +97,11 @@ class DeepseekV2CausalLM(CausalLM):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = 'cpu', kernel_backend: str | None = None,
                  quantized: dict[str, tuple] | None = None):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        self._setup(config, dtype, device, kernel_backend)
         if quantized:
             raise ModelFormatError(f'{config.architecture}: quantized checkpoints are not supported yet; '
                                    'use a float checkpoint')
         check_weights(config, weights)
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.kernels: Kernels = get_kernels(self.device, kernel_backend)
-        self.num_layers = config.num_layers
-        self.num_heads = config.num_heads
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.eps = config.rms_norm_eps
-        self.scale = config.attention_scale
         self.mla = mla = config.mla
         kern = self.kernels
 

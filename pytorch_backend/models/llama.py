@@ -94,23 +94,12 @@ class CausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = 'cpu', kernel_backend: str | None = None,
                  quantized: dict[str, tuple] | None = None):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        self._setup(config, dtype, device, kernel_backend)
         quantized = quantized or {}
         check_quantized_weights(config, weights, quantized)
         weights = to_half_split(config, weights, quantized)  # GLM's interleaved RoPE, as half-split
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.kernels: Kernels = get_kernels(self.device, kernel_backend)
-        self.num_layers = config.num_layers
-        self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.eps = config.rms_norm_eps
-        self.scale = config.attention_scale
         self.softcap = config.attn_softcap
         # HF multiplies by sqrt(H) rounded to the model dtype
         self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype,
@@ -176,6 +165,22 @@ class CausalLM:
             self.layers[-1].prepare(self.kernels)
         self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
         self.build_rope()
+
+    def _setup(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               kernel_backend: str | None) -> None:
+        """What every model of this backend keeps of its config, dtype, device and kernels."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kernels: Kernels = get_kernels(self.device, kernel_backend)
+        self.num_layers = config.num_layers
+        self.num_heads = config.num_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.scale = config.attention_scale
 
     def build_rope(self, session_len: int | None = None) -> None:
         """The RoPE table for sequences up to ``session_len`` (default: the model's context); LongRoPE
