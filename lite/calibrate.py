@@ -151,20 +151,28 @@ class KVStats:
         self.ranges[which] = [lo, hi]
 
 
+def hook_input_stats(runner: LayerwiseRunner, i: int, keep_rows: int = 0) -> tuple[dict, list]:
+    """``InputStats`` of layer ``i``'s linears (keyed by LINEARS names), filled by forward hooks while the
+    runner runs the layer; returns them and the hooks' handles (the caller removes them)."""
+    layer = runner.layers[i]
+    num_batches = -(-len(runner.hidden) // runner.batch_size)
+    stats = {name: InputStats(keep_rows, num_batches) for name in LINEARS}
+    handles = [layer.get_submodule(name).register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
+               for name in LINEARS]
+    return stats, handles
+
+
 def run_layers(model, tokens: torch.Tensor, batch_size: int, visit, keep_rows: int = 0) -> None:
     """For each decoder layer i: run every sample through it with hooks gathering ``InputStats`` of
     its linears (keyed by LINEARS names) and ``KVStats``, then ``visit(i, layer, stats, kv)``. A visit
     may change the layer in ways that keep its float output (folding scales): the next layer's
     inputs were computed before it."""
     runner = LayerwiseRunner(model, tokens, batch_size)
-    num_batches = -(-len(tokens) // batch_size)
     num_kv_heads = model.config.num_key_value_heads
     for i, layer in enumerate(runner.layers):
-        stats = {name: InputStats(keep_rows, num_batches) for name in LINEARS}
+        stats, handles = hook_input_stats(runner, i, keep_rows)
         kv = KVStats(num_kv_heads)
         attn = layer.self_attn
-        handles = [layer.get_submodule(name).register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
-                   for name in LINEARS]
         k_module = getattr(attn, 'k_norm', None) or attn.k_proj
         handles.append(k_module.register_forward_hook(lambda m, args, out, kv=kv: kv.add('key', out)))
         handles.append(attn.v_proj.register_forward_hook(lambda m, args, out, kv=kv: kv.add('value', out)))

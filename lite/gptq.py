@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import torch
 
-from lmd.weights.schema import LINEARS
-
 from .awq import SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
 from .calib_data import BUILTIN, calib_tokens
-from .calibrate import InputStats, LayerwiseRunner, load_float_model
+from .calibrate import LayerwiseRunner, hook_input_stats, load_float_model
 from .checkpoint import float_tensors, write_checkpoint
 
 GROUPS = (('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'), ('self_attn.o_proj',),
@@ -134,17 +132,13 @@ def to_gptq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[
 def search_scales(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = False) -> list[dict]:
     """AWQ's scale and clip searches on decoder layer ``i`` over the inputs ``runner`` holds, folded
     into the layer in place (its float output kept but for the clipping); returns awq_layer's log."""
-    layer = runner.layers[i]
-    num_batches = -(-len(runner.hidden) // runner.batch_size)
-    stats = {name: InputStats(SEARCH_ROWS, num_batches) for name in LINEARS}
-    hooks = [layer.get_submodule(name).register_forward_hook(lambda m, args, out, s=stats[name]: s.add(args[0]))
-             for name in LINEARS]
+    stats, hooks = hook_input_stats(runner, i, SEARCH_ROWS)
     try:
         runner.run(i, update=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return awq_layer(layer, stats, group_size, sym, clip=True)
+    return awq_layer(runner.layers[i], stats, group_size, sym, clip=True)
 
 
 @torch.no_grad()
