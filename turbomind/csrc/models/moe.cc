@@ -31,6 +31,8 @@ void route(const MoeWeights & w, const float * logits, int64_t T, DType dtype, i
     const int64_t E = w.num_experts(), k = w.top_k;
     std::vector<float> probs(static_cast<size_t>(E));
     std::vector<int32_t> order(static_cast<size_t>(E));
+    std::vector<float> best(static_cast<size_t>(w.num_groups));        // grouped routing: each group's best
+    std::vector<int32_t> groups(static_cast<size_t>(w.num_groups));
     for (int64_t t = 0; t < T; ++t) {
         const float * l = logits + t * E;
         if (w.topk_softmax) {  // gpt-oss: the k largest logits, then a softmax over them
@@ -51,8 +53,6 @@ void route(const MoeWeights & w, const float * logits, int64_t T, DType dtype, i
         for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
         if (w.num_groups > 1) {  // DeepSeek-V2: only the experts of the topk_groups best groups stay eligible
             const int64_t G = w.num_groups, per = E / G;
-            std::vector<float> best(static_cast<size_t>(G));
-            std::vector<int32_t> groups(static_cast<size_t>(G));
             for (int64_t g = 0; g < G; ++g) best[g] = *std::max_element(probs.begin() + g * per, probs.begin() + (g + 1) * per);
             std::iota(groups.begin(), groups.end(), 0);
             std::partial_sort(groups.begin(), groups.begin() + w.topk_groups, groups.end(),
