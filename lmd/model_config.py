@@ -341,9 +341,13 @@ def _moe_config(cfg: dict, family: str) -> MoeConfig | None:
     quant_method = (cfg.get('quantization_config') or {}).get('quant_method')
     if family == 'gpt_oss' and quant_method == 'mxfp4':  # its experts dequantized at load (lmd.weights.mxfp4)
         return _gpt_oss_moe_config(cfg, num_layers)
-    if cfg.get('quantization_config'):
-        raise ValueError(f'quantized {family} checkpoints are not supported yet (their experts would need '
-                         'quantized grouped matmuls); use a float checkpoint')
+    # the other families' experts run quantized, one matmul each
+    if family == 'gpt_oss' and cfg.get('quantization_config'):
+        raise ValueError(f'gpt-oss checkpoints quantized by {quant_method!r} are not supported (its experts come '
+                         "stacked: lmd reads them in bfloat16 or as 'mxfp4'); use the original checkpoint")
+    if family == 'deepseek_v2' and cfg.get('quantization_config'):
+        raise ValueError('quantized deepseek_v2 checkpoints are not supported yet (its latent attention runs in '
+                         'float); use a float checkpoint')
     if cfg.get('hidden_act', 'silu') != 'silu':
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported: the experts run SwiGLU ('silu')")
     if family == 'qwen2_moe' and cfg.get('use_sliding_window') and 'layer_types' not in cfg:

@@ -9,7 +9,7 @@ shared expert and its [1, H] gate beside them; a Mixtral is a 'llama' file with 
 what it leaves unsaid, which the reader fills in as llama.cpp assumes it: Gemma's score scale
 (head_dim ** -0.5), Gemma 3's local RoPE base 10000 and sliding pattern (5 in 6), SmolLM3's NoPE
 layer every 4th. The reference is transformers' model loaded from the directory the GGUF converts to,
-so both sides run the dequantized Q8_0 experts.
+on the dequantized Q8_0 experts; the PyTorch engine runs those too, TurboMind the Q8_0 blocks themselves.
 """
 from __future__ import annotations
 
@@ -199,6 +199,9 @@ def test_logits_match_hf(gguf_models, family, engine):
     config = ModelConfig.from_dir(model_dir)
     if engine == 'turbomind':
         tensors, _ = load_fused(model_dir, config, torch.float32)
+        if config.moe is not None:  # the experts run on their Q8_0 blocks, one matmul an expert
+            assert 'layers.0.experts.gate_up' not in tensors
+            assert tensors['layers.0.experts.gate_up.1.gguf_types'].tolist() == [gguf.GGMLQuantizationType.Q8_0]
         got = tm_chunked(TurbomindModel.from_fused(config, tensors, torch.float32, 64, BLOCK_SIZE), toks, [7, 4])
     else:
         got = run_chunked(build_model(config, load_weights(model_dir, torch.float32), torch.float32), toks, [7, 4])

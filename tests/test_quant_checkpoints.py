@@ -291,6 +291,63 @@ def test_fp8_runs_dequantized(tmp_path, scheme):
     check_engines(str(tmp_path), ref, 'compressed-tensors' if scheme == 'channel' else 'fp8', tolerance=1e-4)
 
 
+# ---- mixture of experts -----------------------------------------------------------------------------------
+
+# Qwen2-MoE: every layer sparse, 4 experts beside a shared expert; each expert's, and the shared expert's,
+# gate / up / down quantized as the attention matmuls are (the router and the shared expert's gate stay float)
+MOE = dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=96,
+           norm_topk_prob=False)
+MOE_MATMULS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+
+
+def save_moe_checkpoint(path: str, quant_config: dict, linear) -> torch.nn.Module:
+    """``save_checkpoint`` for a tiny Qwen2-MoE, read back from its saved per-expert tensors (transformers
+    holds the experts stacked in memory); returns HF float32 on the weights the checkpoint stands for."""
+    import transformers
+    model, _ = tiny_hf_model('Qwen2MoeConfig', 'Qwen2MoeForCausalLM', seed=3, **TINY, **MOE)
+    model.save_pretrained(os.path.join(path, 'float'))
+    ckpt, ref = {}, {}
+    for name, t in load_file(os.path.join(path, 'float', 'model.safetensors')).items():
+        base = name[:-len('.weight')]
+        if name.endswith('.weight') and base.endswith(MOE_MATMULS):
+            tensors, ref[name] = linear(base, t.float())
+            ckpt.update({f'{base}.{field}': v for field, v in tensors.items()})
+        else:
+            ckpt[name] = t.to(torch.bfloat16)
+            ref[name] = ckpt[name].float()
+    with open(os.path.join(path, 'float', 'config.json')) as f:
+        cfg = json.load(f)
+    for sub, tensors, extra in (('ckpt', ckpt, {'quantization_config': quant_config}), ('ref', ref, {})):
+        os.makedirs(os.path.join(path, sub))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, sub, 'model.safetensors'))
+        with open(os.path.join(path, sub, 'config.json'), 'w') as f:
+            json.dump({**cfg, 'torch_dtype': 'bfloat16', **extra}, f)
+    return transformers.Qwen2MoeForCausalLM.from_pretrained(os.path.join(path, 'ref'), dtype=torch.float32,
+                                                            attn_implementation='eager').eval()
+
+
+@pytest.mark.parametrize('fmt', ['gptq', 'w8a16'])
+def test_moe_experts_run_quantized(tmp_path, fmt):
+    """A Qwen2-MoE checkpoint with quantized experts (GPTQ W4A16, compressed-tensors W8A16): both engines
+    run each expert's matmuls quantized, one matmul an expert, and match HF on the dequantized weights."""
+    if fmt == 'gptq':
+        cfg = {'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'desc_act': False, 'sym': True}
+        ref = save_moe_checkpoint(str(tmp_path), cfg, lambda _, w: gptq_tensors(
+            w, 32, True, False, groups_of(w.shape[1], 32, None)))
+    else:
+        cfg = ct_config('naive-quantized', {'num_bits': 8, 'type': 'int', 'symmetric': True, 'strategy': 'channel'})
+        ref = save_moe_checkpoint(str(tmp_path), cfg, lambda _, w: int8_tensors(w))
+    path = str(tmp_path / 'ckpt')
+    with TurbomindEngine(path, TurbomindEngineConfig(**ENGINE)) as engine:
+        tensors = engine.model.tensors
+        assert 'layers.0.experts.gate_up' not in tensors and 'layers.1.experts.down.3.qweight' in tensors
+        assert 'layers.0.shared_gate_up.qweight' in tensors
+    with pt_engine(path) as engine:
+        moe = engine.runner.model.layers[0].moe
+        assert isinstance(moe.gate_up, list) and len(moe.down) == MOE['num_experts']
+    check_engines(path, ref, 'gptq' if fmt == 'gptq' else 'compressed-tensors')
+
+
 # ---- errors ---------------------------------------------------------------------------------------------
 
 def rewrite(path, config=None, drop=(), change=None) -> None:

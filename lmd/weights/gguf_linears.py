@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from lmd.conversion import conversion_source
-from lmd.gguf_model import gguf_arch, gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads, unpermute_rope
+from lmd.gguf_model import (STACKED_EXPERTS, gguf_arch, gguf_metadata, hf_tensor_name, open_gguf, rope_permuted_heads,
+                            unpermute_rope)
 
 from .quant_layouts import from_gguf_q4_0, from_gguf_q4_1, from_gguf_q4_k, from_gguf_q8_0
 from .schema import CHECKPOINT_FUSED, LINEARS
@@ -71,7 +72,7 @@ def read_gguf_w4a16(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
 # Beside the converted model, in a folder of its own so weight loaders never mistake them for shards.
 W4A16_CACHE_FILE = os.path.join('turbomind', 'w4a16.2.safetensors')  # .2: Q4_K too (.1 had Q4_0 / Q4_1)
 HEAD_W8A16_CACHE_FILE = os.path.join('turbomind', 'head_w8a16.safetensors')
-BLOCKS_CACHE_FILE = os.path.join('turbomind', 'gguf_blocks.safetensors')
+BLOCKS_CACHE_FILE = os.path.join('turbomind', 'gguf_blocks.2.safetensors')  # .2: MoE experts too
 _EMPTY = '__empty__'  # what a cache of nothing holds, so that nothing is not looked for again
 
 
@@ -122,7 +123,8 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """HF name -> (raw uint8 [N, row bytes], ggml type id as int32 [1]) for every matmul weight of a
     GGUF file (the lm_head too: ``output.weight``, or the tied ``token_embd.weight``) whose type is
     one of ``GGUF_BLOCK_TYPES``: the blocks as stored, with llama.cpp's row permutation of q and k
-    undone (whole rows move). Other tensors are left out (the caller takes them in float)."""
+    undone (whole rows move); a stacked experts tensor (``ffn_*_exps`` [E, N, K]) as one matmul per
+    expert under HF's per-expert names. Other tensors are left out (the caller takes them in float)."""
     reader = _open(path)
     meta = gguf_metadata(reader, path)
     permuted, arch = rope_permuted_heads(meta), gguf_arch(meta)
@@ -134,6 +136,14 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if t.tensor_type.name not in GGUF_BLOCK_TYPES:
             continue
         name = 'lm_head.weight' if t.name == head else hf_tensor_name(t.name, path, arch)
+        type_id = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
+        stacked = STACKED_EXPERTS.match(name or '')
+        if stacked:  # [E, N, row bytes] -> expert e's blocks under its own name
+            prefix, matmul = stacked.groups()
+            raw = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[2]), int(t.shape[1]), -1)
+            out.update({f'{prefix}{e}.{matmul}.weight': (torch.from_numpy(np.array(raw[e], order='C')),
+                                                        type_id.clone()) for e in range(len(raw))})
+            continue
         if name != 'lm_head.weight' and not name.endswith(_LINEAR_SUFFIXES):
             continue
         n = int(t.shape[1])
@@ -141,8 +151,7 @@ def read_gguf_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         suffix = name.rsplit('.', 2)[-2] + '.weight'
         if heads is not None and suffix in heads:
             raw = unpermute_rope(raw, heads[suffix])
-        out[name] = (torch.from_numpy(np.array(raw, order='C')),
-                     torch.tensor([int(t.tensor_type)], dtype=torch.int32))
+        out[name] = (torch.from_numpy(np.array(raw, order='C')), type_id)
     return out
 
 

@@ -102,20 +102,45 @@ MOE_MATMULS = ('router', 'shared_gate_up', 'shared_down', 'shared_gate')
 EXPERT_STACKS = ('experts.gate_up', 'experts.down')
 
 
+def moe_matmuls(config: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """Layer ``layer``'s expert and shared-expert matmuls that may run quantized, each as TurboMind's name
+    (under ``layers.{layer}.``) -> the HF weights fused into it: ``experts.gate_up.{e}`` [gate, up] and
+    ``experts.down.{e}`` [down] for each expert (none where the checkpoint stacks them, gpt-oss),
+    ``shared_gate_up`` and ``shared_down``."""
+    out = {}
+    if not has_stacked_experts(config):
+        for e in range(config.moe.num_experts):
+            gate, up, down = expert_weight_names(config, layer, e)
+            out[f'experts.gate_up.{e}'], out[f'experts.down.{e}'] = [gate, up], [down]
+    if config.moe.shared_intermediate_size:
+        gate, up, down = shared_expert_names(config, layer)
+        out['shared_gate_up'], out['shared_down'] = [gate, up], [down]
+    return out
+
+
+def quantized_experts(config: ModelConfig, layer: int, quantized: dict) -> bool:
+    """Whether every expert matmul of layer ``layer`` has a quantized weight in ``quantized`` (HF name ->
+    layout): the experts then run quantized, one matmul each, instead of as float stacks."""
+    names = [p for n, parts in moe_matmuls(config, layer).items() if n.startswith('experts.') for p in parts]
+    return bool(names) and all(n in quantized for n in names)
+
+
 def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
-             dtype: torch.dtype) -> dict[str, torch.Tensor]:
+             dtype: torch.dtype, stacks: bool = True) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s MoE MLP under TurboMind's names, in ``dtype``: ``router`` [E, H], the experts
     stacked (``experts.gate_up`` [E, 2 I, H], ``experts.down`` [E, H, I]) and, for Qwen2-MoE, the shared
     expert (``shared_gate_up`` [2 S, H], ``shared_down`` [H, S]) and its gate ``shared_gate`` [1, H]; gpt-oss's
-    ``router_bias`` [E] and the experts' biases (``experts.gate_up_bias`` [E, 2 I], ``experts.down_bias`` [E, H])."""
+    ``router_bias`` [E] and the experts' biases (``experts.gate_up_bias`` [E, 2 I], ``experts.down_bias`` [E, H]).
+    ``stacks`` False leaves the expert stacks out (the experts run quantized, ``moe_matmuls``)."""
     p, q = moe_prefix(config, layer), f'layers.{layer}.'
 
     def get(name: str) -> torch.Tensor:
         return weights[name].to(dtype).contiguous()
 
-    gate_up, down = stack_experts(config, weights, layer, dtype)
     router, router_bias = router_names(config, layer)
-    out = {q + 'router': get(router), q + 'experts.gate_up': gate_up, q + 'experts.down': down}
+    out = {q + 'router': get(router)}
+    if stacks:
+        out[q + 'experts.gate_up'], out[q + 'experts.down'] = stack_experts(config, weights, layer, dtype)
     if router_bias:
         out[q + 'router_bias'] = get(router_bias)
     biases = expert_biases(config, weights, layer, dtype)
@@ -123,7 +148,10 @@ def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
         out[q + 'experts.gate_up_bias'], out[q + 'experts.down_bias'] = biases
     if config.moe.shared_intermediate_size:  # DeepSeek-V2's shared experts: no gate
         gate, up, down = shared_expert_names(config, layer)
-        out.update({q + 'shared_gate_up': torch.cat([get(gate), get(up)]), q + 'shared_down': get(down)})
+        if gate in weights and up in weights:  # else quantized (fuse_weights)
+            out[q + 'shared_gate_up'] = torch.cat([get(gate), get(up)])
+        if down in weights:
+            out[q + 'shared_down'] = get(down)
         if config.moe.shared_gate:
             out[q + 'shared_gate'] = get(p + 'shared_expert_gate.weight')
     return out

@@ -45,6 +45,7 @@ from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 
 from .dtype import DTYPE_NAMES, DTYPES, resolve_dtype
 from .gguf_linears import gguf_blocks_for, gguf_head_w8a16_for, gguf_w4a16_for
+from .moe import moe_matmuls
 from .rope import build_cos_sin_cache
 from .schema import fuse_weights, layer_matmuls, linear_formats, matmul_parts
 from .source_format import quantized_linears, source_format
@@ -99,6 +100,9 @@ def _gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
             parts = matmul_parts(config, n, fused)
             source = w4a16 if all(p in w4a16 for p in parts) else blocks if all(p in blocks for p in parts) else {}
             quantized.update({p: source[p] for p in parts if p in source})
+        if config.is_sparse(n):  # the experts' and shared expert's blocks, as stored
+            quantized.update({p: blocks[p] for parts in moe_matmuls(config, n).values() for p in parts
+                              if p in blocks})
     head = gguf_head_w8a16_for(model_dir)
     if head is None:
         head = blocks.get('lm_head.weight')

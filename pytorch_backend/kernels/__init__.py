@@ -54,7 +54,8 @@ class Kernels:
     linear: Callable = torch_ops.linear                  # (x[T, K], params) -> [T, N]
     gelu_tanh_and_mul: Callable = torch_ops.gelu_tanh_and_mul  # (x[T, 2I]) -> [T, I] (GeGLU: Gemma)
     # (x[T, H], gate_up[E, 2I, H], down[E, H, I], topk_weights[T, k], topk_ids[T, k], gate_up_bias=None,
-    # down_bias=None, swiglu_limit=None, swiglu_alpha=1.0) -> [T, H]: routed experts (torch_ops.moe)
+    # down_bias=None, swiglu_limit=None, swiglu_alpha=1.0, linear=None) -> [T, H]: routed experts (torch_ops.moe;
+    # quantized experts: gate_up and down lists of prepared matmuls, run by linear)
     moe: Callable = torch_ops.moe
     # (q[T, Hq, D], cache[num_blocks, block_size, 1, D], ctx, scale, v_dim) -> [T, Hq, v_dim]: latent attention,
     # values the first v_dim dims of the cached rows (DeepSeek-V2)

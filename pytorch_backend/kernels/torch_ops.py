@@ -152,11 +152,13 @@ def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
 
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-        swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> torch.Tensor:
+        swiglu_limit: float | None = None, swiglu_alpha: float = 1.0, linear=None) -> torch.Tensor:
     """Routed SwiGLU experts as grouped matmuls: x[T, H], the experts' gate_up [E, 2I, H] and down
     [E, H, I], each token's experts topk_ids [T, k] and their weights topk_weights [T, k] -> [T, H].
     Options (gpt-oss): biases gate_up_bias [E, 2I] and down_bias [E, H] on each expert's matmuls, and
-    ``clamped_swiglu`` at ``swiglu_limit`` in place of silu(gate) * up.
+    ``clamped_swiglu`` at ``swiglu_limit`` in place of silu(gate) * up. Quantized experts: gate_up and down
+    are sequences of E matmuls as ``Kernels.prepare_linear`` made them, run by ``linear(rows, prepared)``
+    (a backend's ``Kernels.linear``).
 
     The (token, slot) pairs are sorted by expert (stably: within an expert, in token order), each
     expert with tokens runs its two matmuls over its rows at once, and the weighted rows are summed
@@ -166,16 +168,22 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights
     expert_of = topk_ids.reshape(-1)
     order = torch.argsort(expert_of, stable=True)
     tokens = order // top_k
-    counts = torch.bincount(expert_of, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(expert_of, minlength=len(gate_up)).tolist()
     rows = x[tokens]
     out_rows = torch.empty_like(rows)
+
+    def matmul(h: torch.Tensor, weights, biases: torch.Tensor | None, expert: int) -> torch.Tensor:
+        if linear is not None:
+            return linear(h, weights[expert])
+        return F.linear(h, weights[expert], None if biases is None else biases[expert])
+
     start = 0
     for expert, count in enumerate(counts):
         if count:
             part = slice(start, start + count)
-            h = F.linear(rows[part], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+            h = matmul(rows[part], gate_up, gate_up_bias, expert)
             h = silu_and_mul(h) if swiglu_limit is None else clamped_swiglu(h, swiglu_limit, swiglu_alpha)
-            out_rows[part] = F.linear(h, down[expert], None if down_bias is None else down_bias[expert])
+            out_rows[part] = matmul(h, down, down_bias, expert)
             start += count
     weighted = (out_rows * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, weighted)

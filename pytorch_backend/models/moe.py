@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from lmd.model_config import ModelConfig
-from lmd.weights.moe import SHARED_EXPERT_MATMULS, expert_biases, moe_prefix, router_names, stack_experts
+from lmd.weights.moe import (expert_biases, moe_matmuls, moe_prefix, quantized_experts, router_names,
+                             stack_experts)
+from lmd.weights.schema import fuse_quantized
 
 from ..kernels import Kernels, prepare_matmul
 from .llama import CausalLM
@@ -52,8 +54,8 @@ class SparseMoe:
     """One layer's mixture of experts: ``__call__(x[T, H]) -> [T, H]``, the MLP's output."""
     kernels: Kernels
     router: object                 # prepared [E, H]
-    gate_up: torch.Tensor          # [E, 2 I, H], each expert's gate rows then its up rows
-    down: torch.Tensor             # [E, H, I]
+    gate_up: torch.Tensor | list   # [E, 2 I, H], each expert's gate rows then its up rows (quantized: E prepared)
+    down: torch.Tensor | list      # [E, H, I] (quantized: E prepared)
     top_k: int
     norm_topk_prob: bool
     weight_dtype: torch.dtype      # the routing weights' dtype (Mixtral float32, Qwen the model's)
@@ -72,6 +74,8 @@ class SparseMoe:
         options = {} if self.swiglu_limit is None and self.gate_up_bias is None else dict(
             gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, swiglu_limit=self.swiglu_limit,
             swiglu_alpha=self.swiglu_alpha)
+        if isinstance(self.gate_up, list):  # quantized experts, one prepared matmul each
+            options['linear'] = kern.linear
         out = kern.moe(x, self.gate_up, self.down, weights, ids, **options)
         if self.shared is not None:
             shared = kern.linear(kern.silu_and_mul(kern.linear(x, self.shared.gate_up)), self.shared.down)
@@ -88,28 +92,39 @@ class MoeCausalLM(CausalLM):
         super().__init__(config, weights, dtype, device, kernel_backend, quantized)
         for n, layer in enumerate(self.layers):
             if config.is_sparse(n):
-                layer.moe = self._sparse_moe(config, weights, n)
+                layer.moe = self._sparse_moe(config, weights, n, quantized or {})
 
-    def _sparse_moe(self, config: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> SparseMoe:
-        """Layer ``layer``'s experts stacked, its router and shared expert prepared for the kernels."""
+    def _sparse_moe(self, config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
+                    quantized: dict[str, tuple]) -> SparseMoe:
+        """Layer ``layer``'s experts stacked (or, quantized, one prepared matmul each), its router and shared
+        expert prepared for the kernels."""
         kern, p = self.kernels, moe_prefix(config, layer)
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=self.dtype).contiguous()
 
+        def matmul(parts: list[str]):
+            """The prepared matmul of HF weights ``parts`` fused along N: quantized where all of them are."""
+            if all(n in quantized for n in parts):
+                return prepare_matmul(kern, fuse_quantized([quantized[n] for n in parts]), None)
+            return prepare_matmul(kern, torch.cat([get(n) for n in parts]), None)
+
+        matmuls = moe_matmuls(config, layer)
         shared = None
         if config.moe.shared_intermediate_size:
-            gate, up, down = (f'{p}{m}.weight' for m in SHARED_EXPERT_MATMULS)
-            shared = SharedExpert(gate_up=prepare_matmul(kern, torch.cat([get(gate), get(up)]), None),
-                                  down=prepare_matmul(kern, get(down), None),
+            shared = SharedExpert(gate_up=matmul(matmuls['shared_gate_up']), down=matmul(matmuls['shared_down']),
                                   gate=prepare_matmul(kern, get(p + 'shared_expert_gate.weight'), None))
-        gate_up, down = stack_experts(config, weights, layer, self.dtype)
+        if quantized_experts(config, layer, quantized):
+            gate_up = [matmul(matmuls[f'experts.gate_up.{e}']) for e in range(config.moe.num_experts)]
+            down = [matmul(matmuls[f'experts.down.{e}']) for e in range(config.moe.num_experts)]
+        else:
+            gate_up, down = (t.to(self.device) for t in stack_experts(config, weights, layer, self.dtype))
         biases = expert_biases(config, weights, layer, self.dtype)
         gate_up_bias, down_bias = (None, None) if biases is None else (b.to(self.device) for b in biases)
         router, router_bias = router_names(config, layer)
         moe = config.moe
         return SparseMoe(kernels=kern, router=prepare_matmul(kern, get(router), router_bias and get(router_bias)),
-                         gate_up=gate_up.to(self.device), down=down.to(self.device), top_k=moe.top_k,
+                         gate_up=gate_up, down=down, top_k=moe.top_k,
                          norm_topk_prob=moe.norm_topk_prob,
                          weight_dtype=torch.float32 if config.family == 'mixtral' else self.dtype, shared=shared,
                          topk_softmax=moe.topk_method == 'topk_softmax', gate_up_bias=gate_up_bias,

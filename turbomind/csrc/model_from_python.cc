@@ -211,12 +211,16 @@ std::shared_ptr<LlamaModel> model_from_python(const py::dict & cfg, const py::di
         return lw;
     };
     // a stack of E float matmuls [E, N, K], or each in panels [E, ceil(N / 16), K, 16]: one LinearWeights
-    // an expert, views into it
+    // an expert, views into it; without the stack, each expert's own matmul "<name>.<e>" in any layout
+    // linear() reads (quantized experts)
     auto experts = [&](const std::string & name, int64_t E, int64_t N, int64_t K) {
-        if (!tensors.contains(name)) fail("LlamaModel: missing weight " + name);
+        std::vector<LinearWeights> out(static_cast<size_t>(E));
+        if (!tensors.contains(name)) {
+            for (int64_t e = 0; e < E; ++e) out[e] = linear(name + "." + std::to_string(e), N, K);
+            return out;
+        }
         const bool packed = view_of(tensors[py::str(name)], name.c_str()).ndim == 4;
         const TensorView all = packed ? take(name, {E, (N + 15) / 16, K, 16}, true) : take(name, {E, N, K}, true);
-        std::vector<LinearWeights> out(static_cast<size_t>(E));
         for (int64_t e = 0; e < E; ++e) {
             TensorView v = all;
             v.data = static_cast<uint8_t *>(all.data) + e * all.stride(0) * dtype_size(all.dtype);
