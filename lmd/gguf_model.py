@@ -41,6 +41,7 @@ GGUF_ARCHITECTURES = {
     'qwen3moe': ('Qwen3MoeForCausalLM', 'qwen3_moe', False),
     'olmo2': ('Olmo2ForCausalLM', 'olmo2', False),
     'glm4': ('Glm4ForCausalLM', 'glm4', False),  # interleaved RoPE in HF and llama.cpp alike: rows as HF's
+    'gpt-oss': ('GptOssForCausalLM', 'gpt_oss', False),
 }
 MIXTRAL = ('MixtralForCausalLM', 'mixtral', True)
 _GEMMA_ARCHS = ('gemma2', 'gemma3')
@@ -90,6 +91,11 @@ _ARCH_BLOCK_NAMES = {
     'qwen3moe': _QWEN_MOE_NAMES,
     'mixtral': {'ffn_gate_inp': 'block_sparse_moe.gate', 'ffn_gate_exps': 'block_sparse_moe.experts.w1',
                 'ffn_up_exps': 'block_sparse_moe.experts.w3', 'ffn_down_exps': 'block_sparse_moe.experts.w2'},
+    # gpt-oss: a biased router, biased experts (their gate and up split apart: ``_gpt_oss_experts`` interleaves
+    # them again into HF's stacked tensors), the attention sinks, one norm before the MLP
+    'gpt-oss': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_exps': 'mlp.experts.gate_proj',
+                'ffn_up_exps': 'mlp.experts.up_proj', 'ffn_down_exps': 'mlp.experts.down_proj',
+                'attn_sinks': 'self_attn.sinks', 'post_attention_norm': 'post_attention_layernorm'},
 }
 # HF's name of a stacked expert tensor (as hf_tensor_name gives it) -> (prefix, matmul): expert e's
 # own tensor is f'{prefix}{e}.{matmul}.weight'
@@ -107,6 +113,10 @@ _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# gpt-oss's o200k: contractions kept on their word, CamelCase split, '/' kept after punctuation
+_GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact')
 _LLAMA3_PRE = ('llama-bpe', 'llama3', 'llama-v3')
 _QWEN2_PRE = ('qwen2',)
@@ -237,13 +247,31 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None, arch: 
             w -= 1.0  # llama.cpp stores Gemma's RMSNorm scale (1 + w); HF keeps w
         if hf.endswith('shared_expert_gate.weight'):
             w = w.reshape(1, -1)  # HF's [1, H]
+        if hf.endswith('self_attn.sinks.weight'):
+            hf = hf.removesuffix('.weight')  # HF's sinks [Hq] are a parameter of their own
         stacked = STACKED_EXPERTS.match(hf)
-        if stacked:  # [E, N, K] -> one [N, K] tensor per expert
+        if stacked and arch != 'gpt-oss':  # [E, N, K] -> one [N, K] tensor per expert
             prefix, matmul = stacked.groups()
             out.update({f'{prefix}{e}.{matmul}.weight': torch.from_numpy(np.array(w[e])) for e in range(len(w))})
         else:
             out[hf] = torch.from_numpy(w)
-    return out
+    return _gpt_oss_experts(out) if arch == 'gpt-oss' else out
+
+
+def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gpt-oss GGUF's experts as HF stores them: llama.cpp's ``ffn_{gate,up}_exps`` [E, I, H] (and their
+    biases [E, I]) interleaved again into ``gate_up_proj`` [E, H, 2 I] (``gate_up_proj_bias`` [E, 2 I]),
+    ``ffn_down_exps`` [E, H, I] transposed back into ``down_proj`` [E, I, H]."""
+    pattern = re.compile(r'^(model\.layers\.\d+\.mlp\.experts\.)gate_proj\.weight$')
+    for prefix in [m.group(1) for m in map(pattern.match, list(state)) if m]:
+        gate, up, down = (state.pop(f'{prefix}{n}_proj.weight') for n in ('gate', 'up', 'down'))
+        gate_up = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2 I, H]: rows gate0, up0, gate1 ...
+        state[prefix + 'gate_up_proj'] = gate_up.transpose(1, 2).contiguous()
+        state[prefix + 'down_proj'] = down.transpose(1, 2).contiguous()
+        gate_b, up_b = (state.pop(f'{prefix}{n}_proj.bias') for n in ('gate', 'up'))
+        state[prefix + 'gate_up_proj_bias'] = torch.stack([gate_b, up_b], dim=2).flatten(1, 2).contiguous()
+        state[prefix + 'down_proj_bias'] = state.pop(prefix + 'down_proj.bias')
+    return state
 
 
 def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None) -> dict:
@@ -313,6 +341,8 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
         cfg.update(_gemma_config(arch, cfg, get))
     if arch in _MOE_ARCHS or arch == 'mixtral':
         cfg.update(_moe_config(arch, get))
+    if arch == 'gpt-oss':
+        cfg.update(_gpt_oss_config(cfg, get))
     if arch == 'smollm3':  # llama.cpp leaves RoPE out of every 4th layer, as SmolLM3's config does by default
         cfg['no_rope_layer_interval'] = 4
     rope_dims = get('rope.dimension_count')
@@ -343,6 +373,25 @@ def _gemma_config(arch: str, cfg: dict, get) -> dict:
             out['layer_types'] = ['sliding_attention' if p else 'full_attention' for p in pattern]
         else:
             out['sliding_window_pattern'] = int(pattern or 6)
+    return out
+
+
+def _gpt_oss_config(cfg: dict, get) -> dict:
+    """gpt-oss's config.json fields from a GGUF, with what llama.cpp assumes where the file says nothing:
+    sliding layers first, then full ones, alternating; its SwiGLU clamped at 7 with alpha 1.702; YaRN's
+    beta_fast 32 and beta_slow 1 (the file holds its factor and original context)."""
+    window = int(get('attention.sliding_window', 128))
+    out = {'num_local_experts': int(get('expert_count', required=True)),
+           'num_experts_per_tok': int(get('expert_used_count', required=True)),
+           'intermediate_size': int(get('expert_feed_forward_length', cfg['intermediate_size'])),
+           'sliding_window': window, 'attention_bias': True, 'swiglu_limit': 7.0, 'swiglu_alpha': 1.702,
+           'layer_types': ['sliding_attention' if i % 2 == 0 else 'full_attention'
+                           for i in range(cfg['num_hidden_layers'])]}
+    # said in full (transformers' own default for gpt-oss is YaRN x32): YaRN as the file has it, or none
+    scaling = cfg.pop('rope_scaling', None) or {'rope_type': 'default'}
+    if scaling['rope_type'] == 'yarn':
+        scaling.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+    out['rope_parameters'] = {**scaling, 'rope_theta': cfg['rope_theta']}
     return out
 
 
@@ -384,8 +433,8 @@ def _byte_level_tokenizer(meta: dict, tokens: list[str], path: str):
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        pattern = _QWEN2_PATTERN if pre in _QWEN2_PRE else _LLAMA3_PATTERN
+    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE or pre == 'gpt-4o':
+        pattern = _QWEN2_PATTERN if pre in _QWEN2_PRE else _GPT4O_PATTERN if pre == 'gpt-4o' else _LLAMA3_PATTERN
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pattern), behavior='isolated', invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])

@@ -1,4 +1,4 @@
-"""GGUF files of SmolLM3, Gemma 2 / 3, OLMo 2, GLM-4 and the MoE families (Mixtral, Qwen2-MoE,
+"""GGUF files of SmolLM3, Gemma 2 / 3, OLMo 2, GLM-4 and the MoE families (Mixtral, Qwen2-MoE, gpt-oss,
 Qwen3-MoE), written as llama.cpp's converter writes them, read by both engines and compared with HF
 float32 on the same weights (Phi-3's: tests/test_gguf_families.py).
 
@@ -56,6 +56,12 @@ FAMILIES = {
     'qwen2_moe': ('qwen2moe', 'Qwen2MoeConfig', 'Qwen2MoeForCausalLM',
                   dict(MOE, shared_expert_intermediate_size=48, norm_topk_prob=False)),
     'qwen3_moe': ('qwen3moe', 'Qwen3MoeConfig', 'Qwen3MoeForCausalLM', dict(MOE, norm_topk_prob=True)),
+    # sliding and full layers alternating, YaRN, sinks, biased router and experts (MXFP4 in the file)
+    'gpt_oss': ('gpt-oss', 'GptOssConfig', 'GptOssForCausalLM',
+                dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=8, rope_parameters={'rope_type': 'yarn', 'rope_theta': 150000.0, 'factor': 32.0,
+                                                        'beta_fast': 32.0, 'beta_slow': 1.0, 'truncate': False,
+                                                        'original_max_position_embeddings': 64})),
 }
 PERMUTED = ('llama', 'smollm3')  # archs whose q/k rows llama.cpp permutes
 EXPERT = re.compile(r'^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.([a-z0-9_]+)\.weight$')
@@ -81,6 +87,27 @@ def hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
     return out
 
 
+def split_gpt_oss_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: ``gate_up_proj`` [E, H, 2 I] transposed
+    and split into gate (even columns) and up (odd), their bias alike; ``down_proj`` [E, I, H] transposed."""
+    out = {}
+    for name, a in tensors.items():
+        if name.endswith('experts.gate_up_proj'):
+            p = name.removesuffix('gate_up_proj')
+            t = a.transpose(0, 2, 1)
+            out[p + 'gate_proj.weight'], out[p + 'up_proj.weight'] = t[:, 0::2], t[:, 1::2]
+        elif name.endswith('experts.gate_up_proj_bias'):
+            p = name.removesuffix('gate_up_proj_bias')
+            out[p + 'gate_proj.bias'], out[p + 'up_proj.bias'] = a[:, 0::2], a[:, 1::2]
+        elif name.endswith('experts.down_proj'):
+            out[name + '.weight'] = a.transpose(0, 2, 1)
+        elif name.endswith('experts.down_proj_bias'):
+            out[name.removesuffix('_bias') + '.bias'] = a
+        else:
+            out[name] = a
+    return out
+
+
 def write_gguf(model_dir: str, arch: str, path: str) -> None:
     """The HF model in ``model_dir`` as llama.cpp's converter writes it: F32 tensors, experts in Q8_0."""
     with open(os.path.join(model_dir, 'config.json')) as f:
@@ -102,6 +129,13 @@ def write_gguf(model_dir: str, arch: str, path: str) -> None:
     rotary = rope.get('partial_rotary_factor', cfg.get('partial_rotary_factor'))
     if rotary:
         w.add_rope_dimension_count(int(cfg['head_dim'] * rotary))
+    if rope.get('rope_type') == 'yarn':
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope['factor'])
+        w.add_rope_scaling_orig_ctx_len(rope['original_max_position_embeddings'])
+    if arch == 'gpt-oss':
+        w.add_sliding_window(cfg['sliding_window'])
+        w.add_expert_feed_forward_length(cfg['intermediate_size'])
     if arch.startswith('gemma'):
         w.add_sliding_window(cfg['sliding_window'])
         if cfg.get('attn_logit_softcapping'):
@@ -117,8 +151,11 @@ def write_gguf(model_dir: str, arch: str, path: str) -> None:
         if cfg.get('shared_expert_intermediate_size'):
             w.add_expert_shared_feed_forward_length(cfg['shared_expert_intermediate_size'])
     add_tiny_tokenizer(w, cfg['vocab_size'])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
-    for name, a in hf_tensors(model_dir).items():
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace('-', '_')], layers)
+    tensors = hf_tensors(model_dir)
+    if arch == 'gpt-oss':
+        tensors = split_gpt_oss_experts(tensors)
+    for name, a in tensors.items():
         if name == 'lm_head.weight' and cfg.get('tie_word_embeddings'):
             continue
         base, kind = name.rsplit('.', 1) if name.endswith(('.weight', '.bias')) else (name, 'weight')
@@ -127,9 +164,9 @@ def write_gguf(model_dir: str, arch: str, path: str) -> None:
         if arch.startswith('gemma') and name.endswith('norm.weight'):
             a = a + 1.0
         gguf_name = f'{names.get_name(base)}.{kind}'
-        if a.ndim == 3:  # stacked experts: quantized, as real files hold them
-            w.add_tensor(gguf_name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if a.ndim == 3:  # stacked experts: quantized, as real files hold them (gpt-oss's in MXFP4)
+            qtype = gguf.GGMLQuantizationType.MXFP4 if arch == 'gpt-oss' else gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
@@ -148,6 +185,10 @@ def gguf_models(tmp_path_factory):
         if family not in cache:
             arch, cfg_name, model_name, extra = FAMILIES[family]
             model, _ = tiny_hf_model(cfg_name, model_name, 0, **BASE, **extra)
+            if family == 'gpt_oss':  # sinks large enough to matter
+                with torch.no_grad():
+                    for layer in model.model.layers:
+                        layer.self_attn.sinks.normal_(0, 2.0)
             src = str(tmp_path_factory.mktemp(family))
             model.save_pretrained(src, safe_serialization=True)
             path = os.path.join(src, f'tiny-{family}.gguf')
@@ -184,8 +225,10 @@ def test_config_and_weights_come_back(gguf_models, family):
     assert set(weights) == set(original) - ({'lm_head.weight'} if config.tie_word_embeddings else set())
     for name, t in weights.items():
         want = original[name].float()
-        # the experts went through Q8_0: within half a step, (block max) / 127 / 2, of each value
-        tol = want.abs().max().item() / 254 * 1.01 if '.experts.' in name else 1e-6
+        # the experts went through Q8_0: within half a step, (block max) / 127 / 2, of each value; gpt-oss's
+        # through MXFP4 (a power-of-two scale, the top of the block clamped at 6 of it): within half the max
+        step = 1 if family == 'gpt_oss' else 127
+        tol = want.abs().max().item() / step / 2 * 1.01 if '.experts.' in name and 'bias' not in name else 1e-6
         assert (t - want).abs().max().item() <= tol, name
 
 
@@ -199,7 +242,9 @@ def test_logits_match_hf(gguf_models, family, engine):
     config = ModelConfig.from_dir(model_dir)
     if engine == 'turbomind':
         tensors, _ = load_fused(model_dir, config, torch.float32)
-        if config.moe is not None:  # the experts run on their Q8_0 blocks, one matmul an expert
+        if family == 'gpt_oss':  # MXFP4 experts: dequantized, stacked
+            assert tensors['layers.0.experts.gate_up'].shape == (4, 64, 64)
+        elif config.moe is not None:  # the experts run on their Q8_0 blocks, one matmul an expert
             assert 'layers.0.experts.gate_up' not in tensors
             assert tensors['layers.0.experts.gate_up.1.gguf_types'].tolist() == [gguf.GGMLQuantizationType.Q8_0]
         got = tm_chunked(TurbomindModel.from_fused(config, tensors, torch.float32, 64, BLOCK_SIZE), toks, [7, 4])
@@ -208,3 +253,13 @@ def test_logits_match_hf(gguf_models, family, engine):
     assert want.abs().max() > 1.0
     diff = (got - want).abs().max().item()
     assert diff < 1e-3, f'{engine} {family}: max |logit diff| vs HF = {diff}'
+
+
+def test_gpt_4o_pre_tokenizer_splits_as_o200k():
+    """A gpt-oss file's BPE pre-tokenizer ('gpt-4o'): CamelCase split, contractions kept on their word,
+    digits in threes (GPT-2's regex, the fallback, would keep 'HelloWorld' whole and split "'s" off)."""
+    from lmd.gguf_model import _byte_level_tokenizer
+    tokens = [chr(c) for c in range(33, 127)] + ["ab"]
+    tk = _byte_level_tokenizer({'tokenizer.ggml.merges': ['a b'], 'tokenizer.ggml.pre': 'gpt-4o'}, tokens, 'x.gguf')
+    pieces = [p for p, _ in tk.pre_tokenizer.pre_tokenize_str("HelloWorld it's 12345")]
+    assert pieces == ['Hello', 'World', "\u0120it's", '\u0120', '123', '45']

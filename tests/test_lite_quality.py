@@ -5,7 +5,7 @@ held-out text, Python source (another kind than the prose calibration reads), fo
 int4 schemes.
 
 The README's table runs the same gates at full size (``benchmark/lite_quality.py``: 128 x 512
-calibration tokens, 12 x 512 eval tokens); here calibration takes 16 x 256 tokens and the eval
+calibration tokens, 12 x 512 eval tokens); here calibration takes 16 x 128 tokens and the eval
 4 x 256, so a regression in the quantizers or the kernels shows up in a couple of minutes.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lmd.lite.eval_ppl import eval_ppl
 from lmd.lite.gptq import gptq
 from lmd.lite.smooth_quant import smooth_quant
 
-CALIB = dict(calib_samples=16, calib_seqlen=256)
+CALIB = dict(calib_samples=16, calib_seqlen=128)
 EVAL = dict(window=256, num_windows=4)
 GROUP = 64  # SmolLM2's 576 takes 64 and 32, not 128
 
