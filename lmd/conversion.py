@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 
 # Bump when the GGUF conversion's output changes, so old cache entries are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: gpt-oss and DeepSeek-V2 files; MoE experts in the blocks cache
 # Written into every converted directory; `lmd convert` recognises its own output by it.
 CONVERSION_MARKER = 'lmd_conversion.json'
 # A directory in TurboMind's own layout (`lmd convert --backend turbomind`) has this;

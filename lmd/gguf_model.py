@@ -42,6 +42,7 @@ GGUF_ARCHITECTURES = {
     'olmo2': ('Olmo2ForCausalLM', 'olmo2', False),
     'glm4': ('Glm4ForCausalLM', 'glm4', False),  # interleaved RoPE in HF and llama.cpp alike: rows as HF's
     'gpt-oss': ('GptOssForCausalLM', 'gpt_oss', False),
+    'deepseek2': ('DeepseekV2ForCausalLM', 'deepseek_v2', False),
 }
 MIXTRAL = ('MixtralForCausalLM', 'mixtral', True)
 _GEMMA_ARCHS = ('gemma2', 'gemma3')
@@ -93,6 +94,14 @@ _ARCH_BLOCK_NAMES = {
                 'ffn_up_exps': 'block_sparse_moe.experts.w3', 'ffn_down_exps': 'block_sparse_moe.experts.w2'},
     # gpt-oss: a biased router, biased experts (their gate and up split apart: ``_gpt_oss_experts`` interleaves
     # them again into HF's stacked tensors), the attention sinks, one norm before the MLP
+    # DeepSeek-V2: latent attention (kv_b_proj split per head into k_b, transposed, and v_b: ``_deepseek_kv_b``
+    # joins them again), dense first layers, routed experts beside fused shared ones
+    'deepseek2': {**_QWEN_MOE_NAMES, 'ffn_gate_shexp': 'mlp.shared_experts.gate_proj',
+                  'ffn_up_shexp': 'mlp.shared_experts.up_proj', 'ffn_down_shexp': 'mlp.shared_experts.down_proj',
+                  'attn_q_a': 'self_attn.q_a_proj', 'attn_q_a_norm': 'self_attn.q_a_layernorm',
+                  'attn_q_b': 'self_attn.q_b_proj', 'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa',
+                  'attn_kv_a_norm': 'self_attn.kv_a_layernorm', 'attn_kv_b': 'self_attn.kv_b_proj',
+                  'attn_k_b': 'self_attn.k_b_proj', 'attn_v_b': 'self_attn.v_b_proj'},
     'gpt-oss': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_exps': 'mlp.experts.gate_proj',
                 'ffn_up_exps': 'mlp.experts.up_proj', 'ffn_down_exps': 'mlp.experts.down_proj',
                 'attn_sinks': 'self_attn.sinks', 'post_attention_norm': 'post_attention_layernorm'},
@@ -255,7 +264,21 @@ def _state_dict(reader, path: str, permute_heads: tuple[int, int] | None, arch: 
             out.update({f'{prefix}{e}.{matmul}.weight': torch.from_numpy(np.array(w[e])) for e in range(len(w))})
         else:
             out[hf] = torch.from_numpy(w)
+    if arch == 'deepseek2':
+        return _deepseek_kv_b(out)
     return _gpt_oss_experts(out) if arch == 'gpt-oss' else out
+
+
+def _deepseek_kv_b(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V2 GGUF's ``attn_k_b`` [Hq, L, nope] and ``attn_v_b`` [Hq, v, L] (llama.cpp splits
+    ``kv_b_proj`` for its absorbed attention) joined again into HF's ``kv_b_proj`` [Hq (nope + v), L], each
+    head's key rows then its value rows. Older files keep ``attn_kv_b`` whole."""
+    for k_name in [n for n in state if n.endswith('self_attn.k_b_proj.weight')]:
+        k_b = state.pop(k_name)
+        v_b = state.pop(k_name.replace('k_b_proj', 'v_b_proj'))
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [Hq, nope + v, L]
+        state[k_name.replace('k_b_proj', 'kv_b_proj')] = kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
+    return state
 
 
 def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -343,10 +366,12 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
         cfg.update(_moe_config(arch, get))
     if arch == 'gpt-oss':
         cfg.update(_gpt_oss_config(cfg, get))
+    if arch == 'deepseek2':
+        cfg.update(_deepseek_config(cfg, get, state_dict))
     if arch == 'smollm3':  # llama.cpp leaves RoPE out of every 4th layer, as SmolLM3's config does by default
         cfg['no_rope_layer_interval'] = 4
     rope_dims = get('rope.dimension_count')
-    if rope_dims and int(rope_dims) < head_dim:
+    if rope_dims and int(rope_dims) < cfg['head_dim']:  # (DeepSeek-V2's head_dim is its rope dims)
         cfg['partial_rotary_factor'] = int(rope_dims) / head_dim
     if factors:  # LongRoPE (Phi-3): llama.cpp keeps the factors as tensors, the original context as metadata
         original = int(get('rope.scaling.original_context_length', required=True))
@@ -376,10 +401,46 @@ def _gemma_config(arch: str, cfg: dict, get) -> dict:
     return out
 
 
+def _deepseek_config(cfg: dict, get, state_dict: dict) -> dict:
+    """DeepSeek-V2's config.json fields from a GGUF. llama.cpp writes its latent attention as MQA (one KV
+    head of ``key_length`` = L + rope), the per-head sizes in ``key_length_mla`` / ``value_length_mla``, and
+    YaRN's mscale_all_dim as ``yarn_log_multiplier`` / 0.1 (mscale taken equal, as in DeepSeek-V2's
+    checkpoints); it keeps no expert groups for V2, so routing is greedy, as llama.cpp runs it."""
+    heads, rope = cfg['num_attention_heads'], int(get('rope.dimension_count', required=True))
+    kv_lora = int(get('attention.kv_lora_rank', required=True))
+    key_mla = get('attention.key_length_mla')
+    if key_mla is None:  # an older file: per-head sizes from kv_b_proj [Hq (nope + v), L] and q
+        v_dim = int(get('attention.value_length', required=True))
+        key_mla = int(get('attention.key_length', required=True))
+    else:
+        key_mla, v_dim = int(key_mla), int(get('attention.value_length_mla', required=True))
+    q_lora = get('attention.q_lora_rank')
+    experts = get('expert_count')
+    out = {'num_key_value_heads': heads, 'head_dim': rope, 'kv_lora_rank': kv_lora, 'q_lora_rank': q_lora and int(q_lora),
+           'qk_rope_head_dim': rope, 'qk_nope_head_dim': key_mla - rope, 'v_head_dim': v_dim,
+           'attention_bias': False, 'first_k_dense_replace': int(get('leading_dense_block_count', 0))}
+    if experts:
+        group = get('expert_group_count')
+        out.update(n_routed_experts=int(experts), num_experts_per_tok=int(get('expert_used_count', required=True)),
+                   moe_intermediate_size=int(get('expert_feed_forward_length', required=True)),
+                   n_shared_experts=int(get('expert_shared_count', 0)),
+                   routed_scaling_factor=float(get('expert_weights_scale', 1.0)),
+                   norm_topk_prob=bool(get('expert_weights_norm', False)),
+                   topk_method='group_limited_greedy' if group else 'greedy', n_group=int(group or 1),
+                   topk_group=int(get('expert_group_used_count', 1)))
+    scaling = cfg.pop('rope_scaling', None) or {'rope_type': 'default'}
+    if scaling['rope_type'] == 'yarn':
+        mscale = float(get('rope.scaling.yarn_log_multiplier', 0.0)) / 0.1
+        scaling.update(beta_fast=float(get('rope.scaling.yarn_beta_fast', 32.0)),
+                       beta_slow=float(get('rope.scaling.yarn_beta_slow', 1.0)), mscale=mscale, mscale_all_dim=mscale)
+    out['rope_parameters'] = {**scaling, 'rope_theta': cfg['rope_theta']}
+    return out
+
+
 def _gpt_oss_config(cfg: dict, get) -> dict:
     """gpt-oss's config.json fields from a GGUF, with what llama.cpp assumes where the file says nothing:
     sliding layers first, then full ones, alternating; its SwiGLU clamped at 7 with alpha 1.702; YaRN's
-    beta_fast 32 and beta_slow 1 (the file holds its factor and original context)."""
+    beta_fast 32 and beta_slow 1 unless the file says (it holds the factor and original context)."""
     window = int(get('attention.sliding_window', 128))
     out = {'num_local_experts': int(get('expert_count', required=True)),
            'num_experts_per_tok': int(get('expert_used_count', required=True)),
@@ -390,7 +451,8 @@ def _gpt_oss_config(cfg: dict, get) -> dict:
     # said in full (transformers' own default for gpt-oss is YaRN x32): YaRN as the file has it, or none
     scaling = cfg.pop('rope_scaling', None) or {'rope_type': 'default'}
     if scaling['rope_type'] == 'yarn':
-        scaling.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+        scaling.update(beta_fast=float(get('rope.scaling.yarn_beta_fast', 32.0)),
+                       beta_slow=float(get('rope.scaling.yarn_beta_slow', 1.0)), truncate=False)
     out['rope_parameters'] = {**scaling, 'rope_theta': cfg['rope_theta']}
     return out
 
