@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .awq import SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
+from .awq import GPTQ_GRAM_DAMP, SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
 from .calib_data import BUILTIN, calib_tokens
 from .calibrate import LayerwiseRunner, hook_input_stats, load_float_model
 from .checkpoint import float_tensors, write_checkpoint
@@ -138,7 +138,7 @@ def search_scales(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = 
     finally:
         for hook in hooks:
             hook.remove()
-    return awq_layer(runner.layers[i], stats, group_size, sym, clip=True)
+    return awq_layer(runner.layers[i], stats, group_size, sym, clip=True, damp=GPTQ_GRAM_DAMP)
 
 
 @torch.no_grad()
