@@ -15,12 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lmd.convert import convert
 from lmd.errors import ModelFormatError
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.turbomind.engine import TurbomindEngine
 from lmd.weights.gptq import from_gptq
 from lmd.weights.quant_layouts import act_order, dequantize_w4a16
+from lmd.weights.turbomind_layout import WEIGHTS_FILE
 from test_pytorch_engine import hf_greedy
 from test_pytorch_quant import pt_engine, pt_greedy, pt_logits
 from test_turbomind_formats import (ARCHS, ENGINE, LINEARS, TINY, W8A8_TOLERANCE, engine_greedy, hf_logits,
@@ -346,6 +348,11 @@ def test_moe_experts_run_quantized(tmp_path, fmt):
         moe = engine.runner.model.layers[0].moe
         assert isinstance(moe.gate_up, list) and len(moe.down) == MOE['num_experts']
     check_engines(path, ref, 'gptq' if fmt == 'gptq' else 'compressed-tensors')
+    # TurboMind's own layout keeps the quantized experts as they are
+    out = convert(path, str(tmp_path / 'tm'), backend='turbomind', dtype='float32')
+    assert 'layers.1.experts.down.3.qweight' in load_file(os.path.join(out, WEIGHTS_FILE))
+    prompts = [tokens(n, seed=n) for n in PROMPT_LENS]
+    assert engine_greedy(out, prompts, GREEDY_TOKENS) == [hf_greedy(ref, p, GREEDY_TOKENS) for p in prompts]
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
