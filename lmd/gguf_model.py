@@ -1,8 +1,8 @@
 """Read a GGUF file into HF form: config dict, float32 state dict (HF names), tokenizer.
 
 GGUF (llama.cpp's format) keeps the architecture facts as ``{arch}.*`` metadata,
-the tokenizer as ``tokenizer.ggml.*`` arrays, and tensors under llama.cpp names,
-often block-quantized. Everything here is dequantized to float32 with
+the tokenizer as ``tokenizer.ggml.*`` arrays (read by ``gguf_tokenizer.py``), and tensors
+under llama.cpp names, often block-quantized. Everything here is dequantized to float32 with
 ``gguf.quants.dequantize`` (exact for Q4_0/Q4_1/Q8_0/F16/BF16: the float value of
 each quantized code is what llama.cpp itself computes).
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .errors import ModelFormatError
+from .gguf_tokenizer import build_tokenizer
 
 # GGUF general.architecture -> (HF architecture, HF model_type, rows of q/k permuted by llama.cpp).
 # A 'llama' file with experts (``llama.expert_count``) is a Mixtral (``MIXTRAL``).
@@ -92,8 +93,6 @@ _ARCH_BLOCK_NAMES = {
     'qwen3moe': _QWEN_MOE_NAMES,
     'mixtral': {'ffn_gate_inp': 'block_sparse_moe.gate', 'ffn_gate_exps': 'block_sparse_moe.experts.w1',
                 'ffn_up_exps': 'block_sparse_moe.experts.w3', 'ffn_down_exps': 'block_sparse_moe.experts.w2'},
-    # gpt-oss: a biased router, biased experts (their gate and up split apart: ``_gpt_oss_experts`` interleaves
-    # them again into HF's stacked tensors), the attention sinks, one norm before the MLP
     # DeepSeek-V2: latent attention (kv_b_proj split per head into k_b, transposed, and v_b: ``_deepseek_kv_b``
     # joins them again), dense first layers, routed experts beside fused shared ones
     'deepseek2': {**_QWEN_MOE_NAMES, 'ffn_gate_shexp': 'mlp.shared_experts.gate_proj',
@@ -102,6 +101,8 @@ _ARCH_BLOCK_NAMES = {
                   'attn_q_b': 'self_attn.q_b_proj', 'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa',
                   'attn_kv_a_norm': 'self_attn.kv_a_layernorm', 'attn_kv_b': 'self_attn.kv_b_proj',
                   'attn_k_b': 'self_attn.k_b_proj', 'attn_v_b': 'self_attn.v_b_proj'},
+    # gpt-oss: a biased router, biased experts (their gate and up split apart: ``_gpt_oss_experts`` interleaves
+    # them again into HF's stacked tensors), the attention sinks, one norm before the MLP
     'gpt-oss': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_exps': 'mlp.experts.gate_proj',
                 'ffn_up_exps': 'mlp.experts.up_proj', 'ffn_down_exps': 'mlp.experts.down_proj',
                 'attn_sinks': 'self_attn.sinks', 'post_attention_norm': 'post_attention_layernorm'},
@@ -112,25 +113,6 @@ STACKED_EXPERTS = re.compile(r'^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.e
 _BLOCK_RE = re.compile(r'^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$')
 # tensors that are config, not weights: a LongRoPE model's factors (Phi-3), read into rope_scaling
 ROPE_FACTOR_TENSORS = {'rope_factors_long.weight': 'long_factor', 'rope_factors_short.weight': 'short_factor'}
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
-
-# Pre-tokenizer split patterns, named by tokenizer.ggml.pre (the same regexes the
-# models' own tokenizer.json files use).
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# gpt-oss's o200k: contractions kept on their word, CamelCase split, '/' kept after punctuation
-_GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact')
-_LLAMA3_PRE = ('llama-bpe', 'llama3', 'llama-v3')
-_QWEN2_PRE = ('qwen2',)
-
-SPM_SPACE = '\u2581'  # '▁', SentencePiece's visible space
 
 
 @dataclass
@@ -367,12 +349,12 @@ def _config(meta: dict, state_dict: dict, path: str, factors: dict | None = None
     if arch == 'gpt-oss':
         cfg.update(_gpt_oss_config(cfg, get))
     if arch == 'deepseek2':
-        cfg.update(_deepseek_config(cfg, get, state_dict))
+        cfg.update(_deepseek_config(cfg, get))
     if arch == 'smollm3':  # llama.cpp leaves RoPE out of every 4th layer, as SmolLM3's config does by default
         cfg['no_rope_layer_interval'] = 4
     rope_dims = get('rope.dimension_count')
     if rope_dims and int(rope_dims) < cfg['head_dim']:  # (DeepSeek-V2's head_dim is its rope dims)
-        cfg['partial_rotary_factor'] = int(rope_dims) / head_dim
+        cfg['partial_rotary_factor'] = int(rope_dims) / cfg['head_dim']
     if factors:  # LongRoPE (Phi-3): llama.cpp keeps the factors as tensors, the original context as metadata
         original = int(get('rope.scaling.original_context_length', required=True))
         cfg['rope_scaling'] = {'rope_type': 'longrope', 'original_max_position_embeddings': original, **factors}
@@ -401,7 +383,7 @@ def _gemma_config(arch: str, cfg: dict, get) -> dict:
     return out
 
 
-def _deepseek_config(cfg: dict, get, state_dict: dict) -> dict:
+def _deepseek_config(cfg: dict, get) -> dict:
     """DeepSeek-V2's config.json fields from a GGUF. llama.cpp writes its latent attention as MQA (one KV
     head of ``key_length`` = L + rope), the per-head sizes in ``key_length_mla`` / ``value_length_mla``, and
     YaRN's mscale_all_dim as ``yarn_log_multiplier`` / 0.1 (mscale taken equal, as in DeepSeek-V2's
@@ -409,7 +391,7 @@ def _deepseek_config(cfg: dict, get, state_dict: dict) -> dict:
     heads, rope = cfg['num_attention_heads'], int(get('rope.dimension_count', required=True))
     kv_lora = int(get('attention.kv_lora_rank', required=True))
     key_mla = get('attention.key_length_mla')
-    if key_mla is None:  # an older file: per-head sizes from kv_b_proj [Hq (nope + v), L] and q
+    if key_mla is None:  # an older file (kv_b_proj whole): key_length / value_length are the per-head sizes
         v_dim = int(get('attention.value_length', required=True))
         key_mla = int(get('attention.key_length', required=True))
     else:
@@ -428,12 +410,8 @@ def _deepseek_config(cfg: dict, get, state_dict: dict) -> dict:
                    norm_topk_prob=bool(get('expert_weights_norm', False)),
                    topk_method='group_limited_greedy' if group else 'greedy', n_group=int(group or 1),
                    topk_group=int(get('expert_group_used_count', 1)))
-    scaling = cfg.pop('rope_scaling', None) or {'rope_type': 'default'}
-    if scaling['rope_type'] == 'yarn':
-        mscale = float(get('rope.scaling.yarn_log_multiplier', 0.0)) / 0.1
-        scaling.update(beta_fast=float(get('rope.scaling.yarn_beta_fast', 32.0)),
-                       beta_slow=float(get('rope.scaling.yarn_beta_slow', 1.0)), mscale=mscale, mscale_all_dim=mscale)
-    out['rope_parameters'] = {**scaling, 'rope_theta': cfg['rope_theta']}
+    mscale = float(get('rope.scaling.yarn_log_multiplier', 0.0)) / 0.1
+    out['rope_parameters'] = _rope_parameters(cfg, get, mscale=mscale, mscale_all_dim=mscale)
     return out
 
 
@@ -448,13 +426,19 @@ def _gpt_oss_config(cfg: dict, get) -> dict:
            'sliding_window': window, 'attention_bias': True, 'swiglu_limit': 7.0, 'swiglu_alpha': 1.702,
            'layer_types': ['sliding_attention' if i % 2 == 0 else 'full_attention'
                            for i in range(cfg['num_hidden_layers'])]}
-    # said in full (transformers' own default for gpt-oss is YaRN x32): YaRN as the file has it, or none
+    out['rope_parameters'] = _rope_parameters(cfg, get, truncate=False)
+    return out
+
+
+def _rope_parameters(cfg: dict, get, **yarn) -> dict:
+    """``cfg``'s RoPE said in full as transformers' ``rope_parameters`` (its ``rope_scaling`` taken out):
+    for gpt-oss and DeepSeek-V2, whose transformers defaults are YaRN, a file without scaling says
+    'default'. YaRN gets beta_fast / beta_slow (llama.cpp's 32 and 1 unless the file says) and ``yarn``."""
     scaling = cfg.pop('rope_scaling', None) or {'rope_type': 'default'}
     if scaling['rope_type'] == 'yarn':
         scaling.update(beta_fast=float(get('rope.scaling.yarn_beta_fast', 32.0)),
-                       beta_slow=float(get('rope.scaling.yarn_beta_slow', 1.0)), truncate=False)
-    out['rope_parameters'] = {**scaling, 'rope_theta': cfg['rope_theta']}
-    return out
+                       beta_slow=float(get('rope.scaling.yarn_beta_slow', 1.0)), **yarn)
+    return {**scaling, 'rope_theta': cfg['rope_theta']}
 
 
 def _moe_config(arch: str, get) -> dict:
@@ -471,139 +455,6 @@ def _moe_config(arch: str, get) -> dict:
     if arch == 'qwen2moe':
         out['shared_expert_intermediate_size'] = int(get('expert_shared_feed_forward_length', 0))
     return out
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-def _byte_level_tokenizer(meta: dict, tokens: list[str], path: str):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    merges_raw = meta.get('tokenizer.ggml.merges')
-    if not merges_raw:
-        raise ModelFormatError(f'{path}: BPE tokenizer without tokenizer.ggml.merges')
-    merges = []
-    for m in merges_raw:
-        left, sep, right = m.partition(' ')
-        if not sep:
-            raise ModelFormatError(f'{path}: malformed BPE merge {m!r}')
-        merges.append((left, right))
-    vocab = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # duplicates: the first id wins, as in llama.cpp's lookup
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = meta.get('tokenizer.ggml.pre', 'default')
-    if pre in _DIGIT_SPLIT_PRE:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE or pre == 'gpt-4o':
-        pattern = _QWEN2_PATTERN if pre in _QWEN2_PRE else _GPT4O_PATTERN if pre == 'gpt-4o' else _LLAMA3_PATTERN
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior='isolated', invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-        if pre in _QWEN2_PRE:
-            tk.normalizer = normalizers.NFC()
-    else:  # 'default', 'gpt-2' and anything unknown: GPT-2's own regex
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    tk.decoder = decoders.ByteLevel()
-    return tk
-
-
-def _spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """SentencePiece BPE has scores, not merges: every split of a piece into two pieces
-    that exist is a merge, ranked by the merged piece's score (higher merges first)."""
-    ranked = []
-    for piece, pid in vocab.items():
-        if len(piece) < 2:
-            continue
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[pid], pid, vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(r[4], r[5]) for r in ranked]
-
-
-def _sentencepiece_tokenizer(meta: dict, tokens: list[str], types: list[int], path: str):
-    """llama.cpp's 'llama' tokenizer model: SentencePiece BPE with byte fallback."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    scores = meta.get('tokenizer.ggml.scores') or [0.0] * len(tokens)
-    vocab = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
-    # byte pieces (<0x41>) and control tokens never take part in merges
-    mergeable = {t: i for t, i in vocab.items() if types[i] in (TOKEN_NORMAL, TOKEN_USER_DEFINED)}
-    unk_id = meta.get('tokenizer.ggml.unknown_token_id', 0)
-    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, mergeable),
-                              unk_token=unk, fuse_unk=True, byte_fallback=True))
-    add_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', True))
-    norms = [normalizers.Prepend(SPM_SPACE)] if add_prefix else []
-    tk.normalizer = normalizers.Sequence(norms + [normalizers.Replace(' ', SPM_SPACE)])
-    decs = [decoders.Replace(SPM_SPACE, ' '), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        decs.append(decoders.Strip(' ', 1, 0))
-    tk.decoder = decoders.Sequence(decs)
-    return tk
-
-
-def _token(meta: dict, key: str, tokens: list[str]) -> str | None:
-    i = meta.get(f'tokenizer.ggml.{key}_token_id')
-    return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-
-def build_tokenizer(meta: dict, path: str = '<gguf>'):
-    """A ``tokenizers.Tokenizer`` and the tokenizer_config.json dict from GGUF metadata."""
-    from tokenizers import AddedToken, processors
-    tokens = meta.get('tokenizer.ggml.tokens')
-    if not tokens:
-        raise ModelFormatError(f'{path}: GGUF has no tokenizer (tokenizer.ggml.tokens missing)')
-    types = meta.get('tokenizer.ggml.token_type') or [TOKEN_NORMAL] * len(tokens)
-    kind = meta.get('tokenizer.ggml.model')
-    if kind == 'gpt2':
-        tk = _byte_level_tokenizer(meta, tokens, path)
-    elif kind == 'llama':
-        tk = _sentencepiece_tokenizer(meta, tokens, types, path)
-    else:
-        raise ModelFormatError(
-            f'{path}: tokenizer model {kind!r} is not supported; lmd converts GGUF tokenizers '
-            "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
-
-    # Control tokens are special (skipped by skip_special_tokens); user-defined ones are
-    # matched whole before pre-tokenization but decode as text, as in HF's own files.
-    added = [AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
-             for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
-    tk.add_special_tokens([a for a in added if a.special])
-    tk.add_tokens([a for a in added if not a.special])
-
-    bos, eos = _token(meta, 'bos', tokens), _token(meta, 'eos', tokens)
-    add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', kind == 'llama'))
-    add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', False))
-    single, pair, specials = ['$A:0'], ['$A:0', '$B:1'], []
-    if add_bos and bos is not None:
-        single, pair = [f'{bos}:0'] + single, [f'{bos}:0', '$A:0', f'{bos}:1', '$B:1']
-        specials.append((bos, meta['tokenizer.ggml.bos_token_id']))
-    if add_eos and eos is not None:
-        single, pair = single + [f'{eos}:0'], pair + [f'{eos}:1']
-        specials.append((eos, meta['tokenizer.ggml.eos_token_id']))
-    if specials:
-        tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-    elif kind == 'gpt2':
-        tk.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    tok_cfg = {
-        'tokenizer_class': 'PreTrainedTokenizerFast',
-        'bos_token': bos,
-        'eos_token': eos,
-        'pad_token': _token(meta, 'padding', tokens),
-        'unk_token': _token(meta, 'unknown', tokens),
-        'add_bos_token': add_bos,
-        'add_eos_token': add_eos,
-        'clean_up_tokenization_spaces': False,
-        'model_max_length': int(meta.get(f'{meta.get("general.architecture")}.context_length', 4096)),
-    }
-    if meta.get('tokenizer.chat_template'):
-        tok_cfg['chat_template'] = meta['tokenizer.chat_template']
-    return tk, tok_cfg
 
 
 # --------------------------------------------------------------------------- public

@@ -26,6 +26,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from lmd.gguf_tokenizer import build_tokenizer
 from lmd.model_config import ModelConfig
 from lmd.model_loader import load_weights
 from lmd.model_path import prepare_model_dir
@@ -307,8 +308,8 @@ def test_logits_match_hf(gguf_models, family, engine):
 def test_gpt_4o_pre_tokenizer_splits_as_o200k():
     """A gpt-oss file's BPE pre-tokenizer ('gpt-4o'): CamelCase split, contractions kept on their word,
     digits in threes (GPT-2's regex, the fallback, would keep 'HelloWorld' whole and split "'s" off)."""
-    from lmd.gguf_model import _byte_level_tokenizer
     tokens = [chr(c) for c in range(33, 127)] + ["ab"]
-    tk = _byte_level_tokenizer({'tokenizer.ggml.merges': ['a b'], 'tokenizer.ggml.pre': 'gpt-4o'}, tokens, 'x.gguf')
+    tk, _ = build_tokenizer({'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.tokens': tokens,
+                             'tokenizer.ggml.merges': ['a b'], 'tokenizer.ggml.pre': 'gpt-4o'}, 'x.gguf')
     pieces = [p for p, _ in tk.pre_tokenizer.pre_tokenize_str("HelloWorld it's 12345")]
     assert pieces == ['Hello', 'World', "\u0120it's", '\u0120', '123', '45']

@@ -285,7 +285,7 @@ def test_tiny_gguf_reads_back_exactly(tmp_path, arch, tie):
 
 
 def test_sentencepiece_tokenizer_model():
-    from lmd.gguf_model import build_tokenizer
+    from lmd.gguf_tokenizer import build_tokenizer
     pieces = ['<unk>', '<s>', '</s>'] + [f'<0x{b:02X}>' for b in range(256)]
     words = ['▁', 'h', 'e', 'l', 'o', '▁h', 'he', 'll', '▁he', '▁hell', '▁hello', 'w', 'r', 'd', '▁w', 'or']
     meta = {
@@ -305,7 +305,7 @@ def test_sentencepiece_tokenizer_model():
 
 
 def test_unsupported_tokenizer_model_is_named():
-    from lmd.gguf_model import build_tokenizer
+    from lmd.gguf_tokenizer import build_tokenizer
     with pytest.raises(ModelFormatError, match="tokenizer model 'bert'"):
         build_tokenizer({'tokenizer.ggml.model': 'bert', 'tokenizer.ggml.tokens': ['a']}, 'x.gguf')
 
