@@ -46,10 +46,9 @@ N_GRID = 20
 SEARCH_ROWS = 4096   # calibration tokens per linear kept for the searches
 MLP_ROWS = 2048      # of those, the ones the MLP-output search runs
 # of the gram's mean diagonal, added to its diagonal for auto_awq's searches: 0.2 closed 61% / 64% of RTN's
-# gap on the prose / code texts at 32 x 256 calibration tokens, 0.1 56% / 61%, 0.3 59% / 65%, 0.5 50% / 59%.
-# GPTQ's scale search (gptq.search_scales), which its own error compensation follows, keeps 0.1.
+# gap on the prose / code texts at 32 x 256 calibration tokens, 0.1 56% / 61%, 0.3 59% / 65%, 0.5 50% / 59%
+# (gptq.SEARCH_DAMP: GPTQ's own scale search keeps 0.1)
 GRAM_DAMP = 0.2
-GPTQ_GRAM_DAMP = 0.1
 KERNEL_GROUP = 32    # TurboMind's W4A16 kernel takes group sizes that are multiples of this
 
 

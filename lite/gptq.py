@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .awq import GPTQ_GRAM_DAMP, SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
+from .awq import SEARCH_ROWS, awq_layer, check_bits, check_group_size, dequantize_w4, group_params
 from .calib_data import BUILTIN, calib_tokens
 from .calibrate import LayerwiseRunner, hook_input_stats, load_float_model
 from .checkpoint import float_tensors, write_checkpoint
@@ -50,6 +50,7 @@ GROUPS = (('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'), ('self_a
           ('mlp.gate_proj', 'mlp.up_proj'), ('mlp.down_proj',))
 BLOCK = 128  # columns whose updates are applied lazily together
 DAMP = 0.1   # of H's mean diagonal; GPTQ's 0.01 left SmolLM2's linears more error on held-out code
+SEARCH_DAMP = 0.1  # the AWQ scale search's gram damping before GPTQ (auto_awq's own is awq.GRAM_DAMP, 0.2)
 PACK = 8     # 4-bit values per int32
 
 
@@ -138,7 +139,7 @@ def search_scales(runner: LayerwiseRunner, i: int, group_size: int, sym: bool = 
     finally:
         for hook in hooks:
             hook.remove()
-    return awq_layer(runner.layers[i], stats, group_size, sym, clip=True, damp=GPTQ_GRAM_DAMP)
+    return awq_layer(runner.layers[i], stats, group_size, sym, clip=True, damp=SEARCH_DAMP)
 
 
 @torch.no_grad()

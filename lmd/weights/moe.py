@@ -13,6 +13,8 @@ transposed, with biases, and its router ``mlp.router`` with a bias (``stacked_ex
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from ..model_config import ModelConfig
@@ -118,20 +120,25 @@ def moe_matmuls(config: ModelConfig, layer: int) -> dict[str, list[str]]:
     return out
 
 
-def quantized_experts(config: ModelConfig, layer: int, quantized: dict) -> bool:
-    """Whether every expert matmul of layer ``layer`` has a quantized weight in ``quantized`` (HF name ->
-    layout): the experts then run quantized, one matmul each, instead of as float stacks."""
-    names = [p for n, parts in moe_matmuls(config, layer).items() if n.startswith('experts.') for p in parts]
-    return bool(names) and all(n in quantized for n in names)
+def quantized_moe_matmuls(config: ModelConfig, layer: int, quantized: dict) -> dict[str, list[str]]:
+    """The part of ``moe_matmuls`` whose HF weights all have a quantized layout in ``quantized`` (HF name ->
+    layout), run quantized, one matmul each: the shared expert's, and the experts' only when every expert's
+    are (else the experts run as float stacks)."""
+    matmuls = moe_matmuls(config, layer)
+    done = {name: parts for name, parts in matmuls.items() if all(p in quantized for p in parts)}
+    if any(name.startswith('experts.') and name not in done for name in matmuls):
+        done = {name: parts for name, parts in done.items() if not name.startswith('experts.')}
+    return done
 
 
 def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
-             dtype: torch.dtype, stacks: bool = True) -> dict[str, torch.Tensor]:
+             dtype: torch.dtype, quantized: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s MoE MLP under TurboMind's names, in ``dtype``: ``router`` [E, H], the experts
     stacked (``experts.gate_up`` [E, 2 I, H], ``experts.down`` [E, H, I]) and, for Qwen2-MoE, the shared
     expert (``shared_gate_up`` [2 S, H], ``shared_down`` [H, S]) and its gate ``shared_gate`` [1, H]; gpt-oss's
     ``router_bias`` [E] and the experts' biases (``experts.gate_up_bias`` [E, 2 I], ``experts.down_bias`` [E, H]).
-    ``stacks`` False leaves the expert stacks out (the experts run quantized, ``moe_matmuls``)."""
+    The matmuls named in ``quantized`` (``quantized_moe_matmuls``) are left out: the caller writes them in
+    their quantized layout (the expert stacks with the first expert's)."""
     p, q = moe_prefix(config, layer), f'layers.{layer}.'
 
     def get(name: str) -> torch.Tensor:
@@ -139,7 +146,7 @@ def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
 
     router, router_bias = router_names(config, layer)
     out = {q + 'router': get(router)}
-    if stacks:
+    if 'experts.gate_up.0' not in quantized:
         out[q + 'experts.gate_up'], out[q + 'experts.down'] = stack_experts(config, weights, layer, dtype)
     if router_bias:
         out[q + 'router_bias'] = get(router_bias)
@@ -148,9 +155,9 @@ def fuse_moe(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
         out[q + 'experts.gate_up_bias'], out[q + 'experts.down_bias'] = biases
     if config.moe.shared_intermediate_size:  # DeepSeek-V2's shared experts: no gate
         gate, up, down = shared_expert_names(config, layer)
-        if gate in weights and up in weights:  # else quantized (fuse_weights)
+        if 'shared_gate_up' not in quantized:
             out[q + 'shared_gate_up'] = torch.cat([get(gate), get(up)])
-        if down in weights:
+        if 'shared_down' not in quantized:
             out[q + 'shared_down'] = get(down)
         if config.moe.shared_gate:
             out[q + 'shared_gate'] = get(p + 'shared_expert_gate.weight')

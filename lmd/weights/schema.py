@@ -25,7 +25,7 @@ from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
 from .mla import fuse_mla, mla_weight_shapes
-from .moe import fuse_moe, moe_matmuls, moe_weight_shapes, quantized_experts
+from .moe import fuse_moe, moe_weight_shapes, quantized_moe_matmuls
 from .quant_layouts import gguf_block_shape
 from .interleaved_rope import to_half_split
 from .rope import build_cos_sin_cache
@@ -301,12 +301,10 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
             out[q + 'sinks'] = weights[p + 'self_attn.sinks'].float().contiguous()
         matmul(n, 'o')
         if config.is_sparse(n):  # quantized experts one matmul each, in any layout linear() takes
-            experts = quantized_experts(config, n, quantized)
-            out.update(fuse_moe(config, weights, n, dtype, stacks=not experts))
-            for name, parts in moe_matmuls(config, n).items():
-                if (experts or not name.startswith('experts.')) and all(part in quantized for part in parts):
-                    out.pop(q + name, None)
-                    linear(q + name, parts, [part.removesuffix('.weight') + '.bias' for part in parts])
+            moe_quantized = quantized_moe_matmuls(config, n, quantized)
+            out.update(fuse_moe(config, weights, n, dtype, moe_quantized))
+            for name, parts in moe_quantized.items():
+                linear(q + name, parts, [part.removesuffix('.weight') + '.bias' for part in parts])
         else:
             matmul(n, 'gate_up')
             matmul(n, 'down')

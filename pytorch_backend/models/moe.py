@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lmd.model_config import ModelConfig
-from lmd.weights.moe import (expert_biases, moe_matmuls, moe_prefix, quantized_experts, router_names,
+from lmd.weights.moe import (expert_biases, moe_matmuls, moe_prefix, quantized_moe_matmuls, router_names,
                              stack_experts)
 from lmd.weights.schema import fuse_quantized
 
@@ -103,20 +103,21 @@ class MoeCausalLM(CausalLM):
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=self.dtype).contiguous()
 
-        def matmul(parts: list[str]):
-            """The prepared matmul of HF weights ``parts`` fused along N: quantized where all of them are."""
-            if all(n in quantized for n in parts):
-                return prepare_matmul(kern, fuse_quantized([quantized[n] for n in parts]), None)
-            return prepare_matmul(kern, torch.cat([get(n) for n in parts]), None)
+        matmuls, quantized_names = moe_matmuls(config, layer), quantized_moe_matmuls(config, layer, quantized)
 
-        matmuls = moe_matmuls(config, layer)
+        def matmul(name: str):
+            """The prepared matmul ``name`` of ``moe_matmuls``, its HF weights fused along N, quantized or float."""
+            if name in quantized_names:
+                return prepare_matmul(kern, fuse_quantized([quantized[n] for n in matmuls[name]]), None)
+            return prepare_matmul(kern, torch.cat([get(n) for n in matmuls[name]]), None)
+
         shared = None
         if config.moe.shared_intermediate_size:
-            shared = SharedExpert(gate_up=matmul(matmuls['shared_gate_up']), down=matmul(matmuls['shared_down']),
+            shared = SharedExpert(gate_up=matmul('shared_gate_up'), down=matmul('shared_down'),
                                   gate=prepare_matmul(kern, get(p + 'shared_expert_gate.weight'), None))
-        if quantized_experts(config, layer, quantized):
-            gate_up = [matmul(matmuls[f'experts.gate_up.{e}']) for e in range(config.moe.num_experts)]
-            down = [matmul(matmuls[f'experts.down.{e}']) for e in range(config.moe.num_experts)]
+        if 'experts.gate_up.0' in quantized_names:
+            gate_up = [matmul(f'experts.gate_up.{e}') for e in range(config.moe.num_experts)]
+            down = [matmul(f'experts.down.{e}') for e in range(config.moe.num_experts)]
         else:
             gate_up, down = (t.to(self.device) for t in stack_experts(config, weights, layer, self.dtype))
         biases = expert_biases(config, weights, layer, self.dtype)
