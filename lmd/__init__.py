@@ -6,13 +6,13 @@ import pkgutil
 # which lacks them: let the installed copy supply the subpackages it has and this one lacks.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response,
+from .messages import (ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response, SpeculativeConfig,
                        TurbomindEngineConfig)
 
 __version__ = '0.1.0'
 
 __all__ = ['pipeline', 'Pipeline', 'GenerationConfig', 'PytorchEngineConfig', 'TurbomindEngineConfig',
-           'ChatTemplateConfig', 'Response', '__version__']
+           'ChatTemplateConfig', 'Response', 'SpeculativeConfig', '__version__']
 
 
 def __getattr__(name):

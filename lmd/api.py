@@ -7,6 +7,7 @@ or another running event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import weakref
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .async_engine import AsyncEngine, Session
 from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
-                       TurbomindEngineConfig)
+                       SpeculativeConfig, TurbomindEngineConfig)
 
 if TYPE_CHECKING:
     import torch
@@ -191,15 +192,22 @@ def _shut_down(async_engine: AsyncEngine, loop: asyncio.AbstractEventLoop, threa
 def pipeline(model_path: str | None = None,
              backend_config: PytorchEngineConfig | TurbomindEngineConfig | EngineConfig | None = None,
              chat_template_config: ChatTemplateConfig | None = None,
-             backend: str = 'auto', **kwargs) -> Pipeline:
+             backend: str = 'auto', speculative_config: SpeculativeConfig | None = None, **kwargs) -> Pipeline:
     """Load a model and return a Pipeline; ``model_path`` None or 'smollm2' is the embedded default.
 
     ``model_path`` is an HF directory, a .gguf file, or a hub id that is cached locally.
     ``backend`` 'auto' (as LMDeploy) runs TurboMind where it runs the model, its format and
     device, else the PyTorch engine; a ``TurbomindEngineConfig`` or ``PytorchEngineConfig``
-    given without a backend chooses its own engine (``lmd.backend``).
+    given without a backend chooses its own engine (``lmd.backend``). ``speculative_config``
+    (LMDeploy's argument) turns on speculative decoding: it becomes the engine config's
+    ``speculative_config``.
     """
     if kwargs:
         raise TypeError(f'pipeline() got unexpected arguments: {", ".join(sorted(kwargs))}')
+    if speculative_config is not None:
+        if backend_config is None:
+            backend_config = {'pytorch': PytorchEngineConfig, 'turbomind': TurbomindEngineConfig}.get(
+                backend, EngineConfig)()
+        backend_config = dataclasses.replace(backend_config, speculative_config=speculative_config)
     return Pipeline(AsyncEngine(model_path, backend=backend, backend_config=backend_config,
                                 chat_template_config=chat_template_config))

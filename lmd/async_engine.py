@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, AsyncIterator
 
 from .backend import CONFIGS, resolve_backend
@@ -39,7 +39,8 @@ def build_engine(model_dir: str, backend: str | None,
     if backend_config is None:
         backend_config = config_type()
     elif type(backend_config) is EngineConfig:  # the shared fields alone: they suit either engine
-        backend_config = config_type(**asdict(backend_config))
+        # field by field, not asdict: a nested config (speculative_config) stays the dataclass it is
+        backend_config = config_type(**{f.name: getattr(backend_config, f.name) for f in fields(backend_config)})
     if not isinstance(backend_config, config_type):
         raise ValueError(f'backend {backend} needs a {config_type.__name__}, got {type(backend_config).__name__}')
     logger.info('engine %s (%s)', backend, why)
@@ -178,6 +179,7 @@ class AsyncEngine:
         token_ids: list[int] = []
         logprobs: list[dict[int, float]] | None = [] if gen.logprobs is not None else None
         pending_text, pending_ids, pending_lp = '', [], []
+        prompt_lp = None  # the prompt logprobs (GenerationConfig.prompt_logprobs), until the first piece takes them
         num_prompt, num_cached = len(input_ids), 0
         finished = engine_done = False
         try:
@@ -187,6 +189,8 @@ class AsyncEngine:
                 if engine_ids is not None:
                     engine_ids.extend(out.token_ids)
                 num_prompt, num_cached = out.num_prompt_tokens or num_prompt, out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt_lp = list(out.prompt_logprobs)
                 new_ids = list(out.token_ids)
                 if out.finish_reason == 'stop' and new_ids and new_ids[-1] in request.sampling.stop_token_ids:
                     new_ids = new_ids[:-1]  # the stop token ends the answer; it is not part of it
@@ -220,8 +224,9 @@ class AsyncEngine:
                                token_ids=pending_ids if stream_response else list(token_ids),
                                logprobs=(pending_lp if stream_response else logprobs) if logprobs is not None
                                else None,
-                               index=index, session_id=session_id, num_cached_tokens=num_cached)
-                pending_text, pending_ids, pending_lp = '', [], []
+                               index=index, session_id=session_id, num_cached_tokens=num_cached,
+                               prompt_logprobs=prompt_lp)
+                pending_text, pending_ids, pending_lp, prompt_lp = '', [], [], None
             while engine_ids is not None and not engine_done:  # learn exactly what the session holds
                 out = await queue.get()
                 engine_done = out.finish_reason is not None

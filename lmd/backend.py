@@ -7,7 +7,7 @@ model's ``config.json`` alone, so deciding imports no engine; ``build_engine`` (
 """
 from __future__ import annotations
 
-from .messages import EngineConfig, PytorchEngineConfig, TurbomindEngineConfig
+from .messages import EngineConfig, PytorchEngineConfig, SpeculativeConfig, TurbomindEngineConfig
 from .model_config import ModelConfig
 
 BACKENDS = ('auto', 'turbomind', 'pytorch')
@@ -70,6 +70,21 @@ def resolve_backend(model_dir: str, backend: str | None, backend_config: EngineC
         return 'pytorch', f'auto: {refusal}'
     return 'turbomind', 'auto: TurboMind runs this model'
 
+
+
+def command_speculative_config(algorithm: str | None, num_draft_tokens: int | None,
+                               draft_model: str | None) -> SpeculativeConfig | None:
+    """The ``SpeculativeConfig`` of a command's --speculative-algorithm / --speculative-num-draft-tokens /
+    --speculative-draft-model (LMDeploy's flags); None without an algorithm."""
+    if algorithm is None:
+        if num_draft_tokens is not None or draft_model is not None:
+            raise ValueError('--speculative-num-draft-tokens and --speculative-draft-model need '
+                             '--speculative-algorithm (ngram or draft_target)')
+        return None
+    fields = dict(method=algorithm, model=draft_model)
+    if num_draft_tokens is not None:
+        fields['num_speculative_tokens'] = num_draft_tokens
+    return SpeculativeConfig(**fields)
 
 
 def command_engine_config(fields: dict, backend: str, int8_activations: bool = False) -> EngineConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .backend import check_backend, command_engine_config
+from .backend import check_backend, command_engine_config, command_speculative_config
 from .messages import ChatTemplateConfig, GenerationConfig
 from .prompt_loop import HELP, read_turns
 
@@ -17,7 +17,8 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
          enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
          num_threads: int | None = None, int8_activations: bool = False, max_new_tokens: int = 1024, do_sample: bool = False,
          temperature: float = 0.8, top_p: float = 1.0, top_k: int = 50, repetition_penalty: float = 1.0,
-         random_seed: int | None = None) -> None:
+         random_seed: int | None = None, speculative_algorithm: str | None = None,
+         speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None) -> None:
     """Chat with a model in the terminal; answers stream as they are generated.
 
     Type /reset to start a new conversation and /exit (or Ctrl-D) to leave.
@@ -42,12 +43,17 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
         top_k: sample among the k likeliest tokens (with --do-sample).
         repetition_penalty: >1 discourages repeating tokens.
         random_seed: makes sampling reproducible.
+        speculative_algorithm: speculative decoding: ngram (drafts by prompt lookup) or draft_target.
+        speculative_num_draft_tokens: tokens drafted per step (default 4).
+        speculative_draft_model: the draft model, with draft_target.
     """
     from .api import pipeline
     check_backend(backend)  # before the model loads
+    speculative = command_speculative_config(speculative_algorithm, speculative_num_draft_tokens,
+                                             speculative_draft_model)
     fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
                   enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads,
-                  quant_policy=quant_policy)
+                  quant_policy=quant_policy, speculative_config=speculative)
     config = command_engine_config(fields, backend, int8_activations)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                            top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, random_seed=random_seed)

@@ -26,6 +26,16 @@ recompute does not replay it. A stop token of the request ends it as usual; a to
 ``min_new_tokens`` does not hold back the stop tokens (the grammar decides when the text ends).
 A token the constraint refuses ends the request with 'error'.
 
+Prompt logprobs: a request with ``SamplingParams.prompt_logprobs`` gets, on its first output, one
+entry per prompt token (``EngineOutput.prompt_logprobs``): the first None, nothing predicts it; the
+others ``{token_id: logprob}``, the prompt's own token first, then the top-k alternatives, as
+``logprobs`` are for generated tokens (log_softmax of the raw float32 logits). They come from the
+request's own prefill, every prompt row of it, across chunked-prefill steps: such a request is not
+served from the prefix cache (it skips reading it; its blocks still join it for others), and after
+a preemption only the rows not yet read are taken again. With ``max_new_tokens=0`` it is prefilled
+and then finishes with 'length', no token generated. A kept session's next turn
+(``sequence_start=False``) cannot ask for them: its history is already in the cache.
+
 Scoring: ``get_logits`` runs one token sequence teacher-forced, in one forward pass, over a KV
 cache of the call's own, and returns every position's logits (``AsyncEngine.get_logits`` /
 ``get_ppl`` above it, ``lmd.lite.eval_ppl``). It may be called from any thread; it blocks for the
@@ -70,6 +80,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # eos ids included unless ignore_eos
     bad_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None            # None: none; k: the chosen token's and the top-k alternatives'
+    prompt_logprobs: int | None = None     # None: none; k: each prompt token's and the top-k alternatives'
 
     @staticmethod
     def from_generation_config(gen: GenerationConfig, eos_token_ids: tuple[int, ...] = (),
@@ -92,6 +103,7 @@ class SamplingParams:
             stop_token_ids=stop,
             bad_token_ids=tuple(gen.bad_token_ids or ()) + tuple(bad_token_ids),
             logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs,
         )
 
 
@@ -122,6 +134,9 @@ class EngineOutput:
     num_prompt_tokens: int = 0   # tokens in the context before generation (a session's history included)
     num_cached_tokens: int = 0   # of those, how many came from the prefix cache or the session's kept cache
     error: str | None = None     # set with finish_reason 'error'
+    # on the first output of a request with SamplingParams.prompt_logprobs: one entry per prompt token,
+    # None for the first, {token_id: logprob} with the prompt's token first for the others
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
 
 OutputCallback = Callable[[EngineOutput], None]
@@ -174,6 +189,11 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # speculative decoding, all time (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens):
+    # sequences drafted for, tokens drafted, drafted tokens the model accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -286,6 +306,13 @@ class SessionTable:
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f'session {sid}: token id {bad} is outside the vocabulary [0, {self.vocab_size})')
+        k = request.sampling.prompt_logprobs
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+                raise ValueError(f'session {sid}: prompt_logprobs={k!r} is invalid: expected an integer in [0, 20]')
+            if not request.sequence_start:
+                raise ValueError(f'session {sid}: prompt_logprobs needs a new sequence (sequence_start=True): a '
+                                 'kept session\'s history is already in the cache, its logits are gone')
         c = request.constraint
         if c is not None:
             if not (callable(getattr(c, 'fill_bitmask', None)) and callable(getattr(c, 'accept', None))):

@@ -56,8 +56,17 @@ def _xgr_message(e: Exception) -> str:
     return _XGR_PREFIX.sub('', str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+class ResponseFormatError(ValueError):
+    """A response format that cannot be used; ``param`` is the field at fault
+    (``response_format.json_schema.schema.properties.a.minimum``), which the api_server puts in its 400."""
+
+    def __init__(self, param: str, why: str):
+        super().__init__(f'{param}: {why}')
+        self.param = param
+
+
 def _fail(field: str, why: str) -> None:
-    raise ValueError(f'{field}: {why}')
+    raise ResponseFormatError(field, why)
 
 
 def normalize_response_format(response_format: Any) -> tuple[str, Any] | None:

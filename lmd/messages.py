@@ -80,6 +80,8 @@ class GenerationConfig:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     response_format: dict | None = None
+    # vLLM's: each prompt token's logprob and its top-k alternatives, from the prefill pass (None: none)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         c = 'GenerationConfig'
@@ -101,6 +103,8 @@ class GenerationConfig:
             _check_range(c, 'random_seed', self.random_seed, lo=0, hi=2**64 - 1, integer=True)
         if self.logprobs is not None:
             _check_range(c, 'logprobs', self.logprobs, lo=0, hi=20, integer=True)
+        if self.prompt_logprobs is not None:
+            _check_range(c, 'prompt_logprobs', self.prompt_logprobs, lo=0, hi=20, integer=True)
         self.stop_words = _as_str_list(c, 'stop_words', self.stop_words)
         self.bad_words = _as_str_list(c, 'bad_words', self.bad_words)
         self.stop_token_ids = _as_int_list(c, 'stop_token_ids', self.stop_token_ids)
@@ -115,6 +119,33 @@ class GenerationConfig:
 
     def replace(self, **changes) -> 'GenerationConfig':
         return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (LMDeploy's ``SpeculativeConfig``; vLLM's n-gram settings): each step a
+    decoding sequence gets up to ``num_speculative_tokens`` drafted tokens, which the model verifies in
+    one pass with its next token; the output is the one without speculation (greedy: token for token;
+    sampled: the same distribution, by rejection sampling).
+
+    ``method``: 'ngram' (prompt lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) or 'draft_target' (a
+    smaller ``model`` sharing the tokenizer drafts).
+    """
+    method: str = 'ngram'
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        c = 'SpeculativeConfig'
+        _check_choice(c, 'method', self.method, ('ngram', 'draft_target'))
+        _check_range(c, 'num_speculative_tokens', self.num_speculative_tokens, lo=1, hi=16, integer=True)
+        _check_range(c, 'prompt_lookup_min', self.prompt_lookup_min, lo=1, integer=True)
+        _check_range(c, 'prompt_lookup_max', self.prompt_lookup_max, lo=self.prompt_lookup_min, integer=True)
+        if self.method == 'draft_target' and not self.model:
+            _fail(c, 'model', self.model, "method 'draft_target' needs the draft model's path")
 
 
 @dataclass
@@ -137,6 +168,7 @@ class EngineConfig:
     device: str = 'cpu'
     max_prefill_token_num: int | None = 4096
     num_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         c = type(self).__name__
@@ -158,6 +190,8 @@ class EngineConfig:
             _check_range(c, 'max_prefill_token_num', self.max_prefill_token_num, lo=1, integer=True)
         if self.num_threads is not None:
             _check_range(c, 'num_threads', self.num_threads, lo=1, integer=True)
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            _fail(c, 'speculative_config', self.speculative_config, 'expected a SpeculativeConfig or None')
         if not isinstance(self.device, str) or not self._device_ok(self.device):
             _fail(c, 'device', self.device, f'allowed values are {self._devices}')
 
@@ -238,6 +272,9 @@ class Response:
     index: int = 0
     session_id: int | None = None
     num_cached_tokens: int = 0
+    # with GenerationConfig.prompt_logprobs, on the first piece: one entry per prompt token, the first
+    # None (nothing predicts it), the others {token_id: logprob} with the prompt's own token first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __repr__(self):
         return (f'Response(text={self.text!r}, generate_token_len={self.generate_token_len}, '

@@ -156,6 +156,14 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past its first ``num_tokens`` tokens (a rejected draft's slots)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_ids) > keep:
+            b = seq.block_ids.pop()
+            if b != RELEASED:
+                self._drop(b)
+
     def release_outside_window(self, seq: Sequence) -> None:
         """With a window: give back ``seq``'s blocks wholly before the window of its next query (at
         position ``num_computed_tokens``, which reads keys from ``num_computed_tokens - window + 1`` on)."""
@@ -185,7 +193,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(seq.block_ids))
         hashes = seq.block_hashes
         if num_full <= len(hashes):
             return

@@ -34,6 +34,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
+from .speculative import build_proposer
 
 logger = logging.getLogger('lmd.pytorch_backend')
 
@@ -130,6 +131,7 @@ class PytorchEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_size,
                                    cfg.max_prefill_token_num or session_len)
         self.sampler = Sampler()
+        self.proposer = build_proposer(cfg.speculative_config, session_len)
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
                                     model_format=self.model_format)
@@ -138,6 +140,7 @@ class PytorchEngine(Engine):
         self._seqs: dict[int, Sequence] = {}   # every active or kept session
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._spec_counts = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
         # sent after each iteration's bookkeeping: (callback, its loop or None, output)
         self._outbox: list[tuple[OutputCallback, asyncio.AbstractEventLoop | None, EngineOutput]] = []
         # shared with callers, behind _lock
@@ -332,19 +335,39 @@ class PytorchEngine(Engine):
         seq.sampling_state = SamplingState(request.sampling, tuple(seq.token_ids), request.constraint)
         seq.forced_token_ids = list(message.forced_token_ids) if message.forced_token_ids is not None else None
         seq.logits_sink = message.logits_sink
+        # prompt logprobs are read from the request's own prefill: no prefix hit for it
+        wants = request.sampling.prompt_logprobs is not None
+        seq.prompt_logprobs = [None] if wants else None
+        seq.skip_reading_prefix_cache = wants
         self._num_prompt_tokens += len(request.token_ids)
-        if request.sampling.max_new_tokens == 0:
-            self._finish(seq, 'length')
+        if request.sampling.max_new_tokens == 0 and seq.prompt_logprobs is None:
+            self._finish(seq, 'length')  # with prompt logprobs it is prefilled first (_step)
 
     def _step(self) -> bool:
+        if self.proposer is not None:
+            for seq in self.scheduler.running:
+                seq.draft_token_ids = self.proposer.propose(seq)
         out: SchedulerOutput = self.scheduler.schedule()
         for seq, why in out.failed:
             self._finish(seq, 'error', error=f'session {seq.session_id}: {why}')
         if out.is_empty:
             return bool(out.failed)
         try:
-            logits, sample_rows = self.runner.run(out)
-            sampled = [s for s, row in zip(out.seqs, sample_rows) if row >= 0]
+            logits, sample_rows, prompt_lps = self.runner.run(out)
+            caught_up = [s for s, row in zip(out.seqs, sample_rows) if row >= 0]
+            # each caught-up sequence's first logits row: one row, or one per token of a drafted step
+            first_rows, n = [], 0
+            for s in caught_up:
+                first_rows.append(n)
+                n += 1 + len(s.draft_token_ids)
+            drafted = [(s, r) for s, r in zip(caught_up, first_rows) if s.draft_token_ids]
+            # a prefill-only request (max_new_tokens 0, for its prompt logprobs) samples nothing
+            sampled = [(s, r) for s, r in zip(caught_up, first_rows)
+                       if s.sampling.max_new_tokens > 0 and not s.draft_token_ids]
+            all_logits = logits
+            if sampled and len(sampled) < n:
+                logits = logits[torch.tensor([r for _, r in sampled], dtype=torch.int64, device=logits.device)]
+            sampled = [s for s, _ in sampled]
             if sampled:
                 result = self.sampler.sample(logits, [s.sampling_state for s in sampled])
         except Exception as e:
@@ -353,10 +376,47 @@ class PytorchEngine(Engine):
                 self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
             return True
         self.scheduler.update(out)
+        for seq, entries in zip(out.seqs, prompt_lps):
+            if entries:
+                seq.prompt_logprobs.extend(entries)
+                if len(seq.prompt_logprobs) == seq.num_prompt_tokens:  # all read: the cache may serve it again
+                    seq.skip_reading_prefix_cache = False
+        for seq in caught_up:
+            if seq.sampling.max_new_tokens == 0:
+                self._finish(seq, 'length')
         if sampled:
             for i, seq in enumerate(sampled):
                 self._on_token(seq, result.token_ids[i], result.logprobs[i], logits, i)
+        for seq, row in drafted:
+            self._verify(seq, all_logits, row)
         return True
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, row: int) -> None:
+        """Take ``seq``'s tokens from its drafted step's rows ``row`` .. ``row + len(draft)`` (speculative.py):
+        each chosen by the sampler from the request's state so far and handed on as any generated token,
+        until one differs from the draft or the request ends; then keep the accepted drafts' KV."""
+        draft = seq.draft_token_ids
+        seq.draft_token_ids = ()
+        state = seq.sampling_state
+        greedy = state.greedy and not state.needs_processing() and seq.sampling.logprobs is None
+        if greedy:  # the common case: every row's argmax at once
+            targets = logits[row:row + len(draft) + 1].argmax(dim=-1).tolist()
+        accepted = 0
+        for j in range(len(draft) + 1):
+            if greedy:
+                token, logprobs = targets[j], None
+            else:
+                result = self.sampler.sample(logits[row + j:row + j + 1], [state])
+                token, logprobs = result.token_ids[0], result.logprobs[0]
+            self._on_token(seq, token, logprobs, logits, row + j)
+            if j == len(draft) or token != draft[j] or seq.status is not SequenceStatus.RUNNING:
+                break
+            accepted += 1
+        counts = self._spec_counts
+        counts[0] += 1
+        counts[1] += len(draft)
+        counts[2] += accepted
+        self.scheduler.accept_drafts(seq, accepted)
 
     def _on_token(self, seq: Sequence, token: int, logprobs: dict | None, logits: torch.Tensor, row: int) -> None:
         if seq.logits_sink is not None:  # teacher forcing
@@ -390,7 +450,8 @@ class PytorchEngine(Engine):
         self._emit(seq, EngineOutput(
             session_id=seq.session_id, token_ids=(token,),
             logprobs=None if logprobs is None else (logprobs,),
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens))
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(seq)))
 
     def _finish(self, seq: Sequence, reason, token_ids: tuple[int, ...] = (), logprobs: dict | None = None,
                 error: str | None = None) -> None:
@@ -407,8 +468,18 @@ class PytorchEngine(Engine):
         self._emit(seq, EngineOutput(
             session_id=sid, token_ids=token_ids, logprobs=None if logprobs is None else (logprobs,),
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens, error=error))
+            num_cached_tokens=seq.num_cached_tokens, error=error, prompt_logprobs=self._take_prompt_logprobs(seq)))
         seq.callback = None
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
+        """The prompt logprobs for the request's first output once all are read (then forgotten: they go
+        out once); None before, or if it did not ask."""
+        lps = seq.prompt_logprobs
+        if lps is None or len(lps) < seq.num_prompt_tokens:
+            return None
+        seq.prompt_logprobs = None
+        return tuple(lps)
 
     def _emit(self, seq: Sequence, out: EngineOutput) -> None:
         self._outbox.append((seq.callback, seq.loop, out))
@@ -450,4 +521,6 @@ class PytorchEngine(Engine):
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.num_cached_blocks, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_prefix_query_tokens=bm.num_prefix_query_tokens, num_preemptions=sched.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens)
+            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
+            spec_num_drafts=self._spec_counts[0], spec_num_draft_tokens=self._spec_counts[1],
+            spec_num_accepted_tokens=self._spec_counts[2])

@@ -8,7 +8,11 @@ from __future__ import annotations
 import torch
 
 from .context import StepContext
+from .sampler import token_logprobs
 from .scheduler import SchedulerOutput
+
+# prompt rows turned into logits at once: bounds the [rows, vocab] float32 block a long prefill makes
+PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
@@ -46,6 +50,17 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
+            elif seq.draft_token_ids:  # the pending token, then the draft (speculative.py)
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(seq.draft_token_ids)
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:
+                    i = pos // bs
+                    run_end = min(end, (i + 1) * bs)
+                    base = (block_ids[i] - i) * bs
+                    slots.extend(range(base + pos, base + run_end))
+                    pos = run_end
             else:
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
@@ -60,7 +75,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             cu.append(num_rows)
-            sample_rows.append(num_rows - 1 if end == seq.num_tokens else -1)
+            sample_rows.append(num_rows - 1 if end == seq.num_tokens + len(seq.draft_token_ids) else -1)
         batch = len(query_lens)
         max_blocks = (max(context_lens) + bs - 1) // bs
         table: list[int] = []
@@ -95,21 +110,56 @@ class ModelRunner:
         return longs[:T], longs[T:2 * T], ctx, sample_rows
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
-        """Run the step; returns (float32 logits, sample_rows).
+    def run(self, out: SchedulerOutput,
+            all_logits: bool = False) -> tuple[torch.Tensor, list[int], list[list[dict[int, float]] | None]]:
+        """Run the step; returns (float32 logits, sample_rows, prompt_logprobs).
 
-        The logits have one row per entry of sample_rows that is not -1, in order; with
-        ``all_logits`` (a debugging aid) one row per token of the step instead.
+        The logits have one row per entry of sample_rows that is not -1, in order, and before it one
+        more per drafted token of that sequence (the rows of its pending token and its draft, in
+        order); with ``all_logits`` (a debugging aid) one row per token of the step instead.
+        ``prompt_logprobs``: per sequence of the step, None or the new entries of its
+        ``Sequence.prompt_logprobs`` (``prompt_logprobs`` below).
         """
         ids, positions, ctx, sample_rows = self.prepare(out)
         hidden = self.model.forward(ids, positions, ctx)
+        prompt_lps = self.prompt_logprobs(out, hidden)
         if not all_logits:
-            rows = [r for r in sample_rows if r >= 0]
+            rows = []
+            for seq, r in zip(out.seqs, sample_rows):
+                if r >= 0:
+                    rows.extend(range(r - len(seq.draft_token_ids), r + 1))
             if not rows:
-                return hidden.new_empty((0, 0), dtype=torch.float32), sample_rows
+                return hidden.new_empty((0, 0), dtype=torch.float32), sample_rows, prompt_lps
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
-        return self.model.compute_logits(hidden), sample_rows
+        return self.model.compute_logits(hidden), sample_rows, prompt_lps
+
+    def prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[list[dict[int, float]] | None]:
+        """The prompt logprobs this step's rows give: for each sequence that asks and has rows it has
+        not read (a recompute after preemption skips those it has), position p's row scores prompt
+        token p + 1 (``sampler.token_logprobs``); the prompt's last row is the sampled one, not read here.
+        hidden: [T, H], the step's rows in the order of ``prepare``."""
+        result: list[list[dict[int, float]] | None] = []
+        row0 = 0
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            entries = None
+            start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                first = len(seq.prompt_logprobs) - 1  # the next position to read
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    if first < start:
+                        raise AssertionError(f'session {seq.session_id}: prompt rows {first}..{start} were never '
+                                             'computed (a prefix hit on a sequence that wants prompt logprobs?)')
+                    k = seq.sampling.prompt_logprobs
+                    entries = []
+                    for a in range(first, last, PROMPT_LOGITS_ROWS):
+                        b = min(a + PROMPT_LOGITS_ROWS, last)
+                        logits = self.model.compute_logits(hidden[row0 + a - start:row0 + b - start])
+                        entries += token_logprobs(logits, seq.token_ids[a + 1:b + 1], k)
+            result.append(entries)
+            row0 += n
+        return result
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

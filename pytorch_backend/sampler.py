@@ -402,6 +402,25 @@ class Sampler:
             out[i] = d
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[dict[int, float]]:
+    """Per row of ``logits`` [n, V]: ``{token_ids[i]: its logprob, then the k best alternatives, best
+    first}``, log_softmax of the raw float32 row: what a prompt's rows give (the engine's prompt
+    logprobs), the same arithmetic as the sampled tokens' logprobs."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    own = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None]).squeeze(1).tolist()
+    tops = [[]] * len(token_ids)
+    if k > 0:
+        v, t = raw.topk(min(k, raw.shape[1]), dim=-1)
+        tops = [list(zip(ti, vi)) for ti, vi in zip(t.tolist(), v.tolist())]
+    out = []
+    for tid, lp, top in zip(token_ids, own, tops):
+        d = {tid: lp}
+        for alt, alt_lp in top:
+            d.setdefault(alt, alt_lp)
+        out.append(d)
+    return out
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bitmask [n, W] int32 (bit ``t % 32`` of word ``t // 32``: token t allowed) -> bool [n, vocab]."""
     n, width = bitmask.shape

@@ -61,7 +61,8 @@ class Scheduler:
 
         Running sequences first, oldest first (a decode needs 1 token, a chunked prefill
         the rest of its prompt); then waiting ones in FIFO order while the budget lasts.
-        A sequence meets the prefix cache when it is admitted. When blocks run out,
+        A sequence meets the prefix cache when it is admitted (not one that skips reading it,
+        ``skip_reading_prefix_cache``: its prompt logprobs need every row). When blocks run out,
         idle sessions give theirs up first, then the newest running sequence is
         preempted: its blocks are freed and it goes back to the front of the queue with
         nothing computed, to be recomputed (its generated tokens stay in its context).
@@ -75,7 +76,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            pending = seq.num_tokens - seq.num_computed_tokens
+            n = min(pending + len(seq.draft_token_ids), budget)
+            if seq.draft_token_ids:  # a draft rides along with its pending token, cut to the budget
+                seq.draft_token_ids = seq.draft_token_ids[:max(0, n - pending)]
             if n <= 0:
                 i += 1
                 continue
@@ -106,7 +110,8 @@ class Scheduler:
                                     f'({bm.num_blocks} blocks of {bm.block_size})'))
                 continue
             prefix: list[int] = []
-            if not seq.block_ids:  # admission from scratch: look in the prefix cache
+            # admission from scratch: look in the prefix cache (unless the prompt's own rows are wanted)
+            if not seq.block_ids and not seq.skip_reading_prefix_cache:
                 prefix, num_hit = bm.match_prefix(seq.token_ids)
                 seq.num_computed_tokens = num_hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -132,6 +137,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids = ()
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -159,9 +165,20 @@ class Scheduler:
         """Record that the step of ``out`` ran: its tokens are in the cache."""
         bm = self.block_manager
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
             bm.cache_full_blocks(seq)
             bm.release_outside_window(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the first ``num_accepted`` drafted tokens of the step are ``seq``'s, their KV
+        computed; the rest's slots are free for what comes next, and blocks past its tokens go back."""
+        if not seq.block_ids:  # it ended and let its blocks go
+            return
+        bm = self.block_manager
+        seq.num_computed_tokens += num_accepted
+        bm.cache_full_blocks(seq)
+        bm.release_outside_window(seq)
+        bm.truncate(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence, keep: bool = False) -> None:
         """Take ``seq`` out of the queues; ``keep``: an interactive session keeps its blocks, idle."""

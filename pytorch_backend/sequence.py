@@ -24,7 +24,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     __slots__ = ('session_id', 'token_ids', 'num_prompt_tokens', 'num_computed_tokens', 'num_cached_tokens',
                  'block_ids', 'block_hashes', 'status', 'sampling', 'sampling_state', 'callback',
-                 'loop', 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids')
+                 'loop', 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids',
+                 'prompt_logprobs', 'skip_reading_prefix_cache', 'draft_token_ids')
 
     def __init__(self, session_id: int, token_ids: list[int], sampling: 'SamplingParams',
                  sampling_state, callback: Callable[['EngineOutput'], None] | None, sequence_end: bool = True):
@@ -49,6 +50,13 @@ class Sequence:
         # set by the scheduler when this turn is first admitted (num_cached_tokens is measured then)
         self.is_admitted = False
         self.num_preemptions = 0
+        # with SamplingParams.prompt_logprobs: the entries read so far, [None, {token 1: lp, ...}, ...]; entry
+        # p + 1 comes from the logits of position p, so the next position to read is len - 1
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        # the scheduler does not match this sequence against the prefix cache (its prompt rows are wanted)
+        self.skip_reading_prefix_cache = False
+        # speculative decoding: this step's drafted tokens, computed after the pending one (speculative.py)
+        self.draft_token_ids: tuple[int, ...] = ()
         # test hooks (teacher forcing): logits rows land in logits_sink, the next token comes from forced_token_ids
         self.logits_sink: list | None = None
         self.forced_token_ids: list[int] | None = None

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /generate`` (LMDeploy's raw endpoint, with interactive sessions), ``POST /v1/encode``
-and ``/v1/decode``, ``GET /health``, ``GET /metrics``.
+and ``/v1/decode``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``,
+``GET /health``, ``GET /metrics``.
 
 The engine loads in a background thread after the socket is open: ``/health`` answers 503
 until it is ready (and again if an engine thread dies), so an orchestrator can watch a
@@ -41,10 +42,13 @@ from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DecodeRequest,
+    DetokenizeRequest,
     EncodeRequest,
     GenerateRequest,
+    TokenizeRequest,
 )
 from .server import Server, ServerConfig
+from .tokenization import detokenize, tokenize, tokenizer_info
 
 __all__ = ['Server', 'ServerConfig', 'build_app', 'serve']
 
@@ -173,6 +177,23 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         texts = [engine.decode(r, skip_special_tokens=body.skip_special_tokens) for r in rows]
         return {'text': texts if rows is body.input_ids else texts[0]}
 
+    @app.post('/tokenize')  # vLLM's
+    async def tokenize_route(request: Request, body: TokenizeRequest):
+        server.check_auth(request)
+        server.check_model(body.model)
+        return tokenize(server.ready_engine(), body)
+
+    @app.post('/detokenize')  # vLLM's
+    async def detokenize_route(request: Request, body: DetokenizeRequest):
+        server.check_auth(request)
+        server.check_model(body.model)
+        return detokenize(server.ready_engine(), body)
+
+    @app.get('/tokenizer_info')  # vLLM's: what lm-evaluation-harness' remote tokenizer reads
+    async def tokenizer_info_route(request: Request):
+        server.check_auth(request)
+        return tokenizer_info(server.ready_engine())
+
     # ---- generating -----------------------------------------------------------------------------
 
     @app.post('/v1/chat/completions')
@@ -226,9 +247,12 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
           cache_max_entry_count: float | None = None, cache_block_seq_len: int | None = None,
           enable_prefix_caching: bool = False, quant_policy: int = 0, model_format: str | None = None,
           tp: int = 1, dtype: str = 'auto', num_threads: int | None = None, device: str | None = None,
-          int8_activations: bool = False, log_level: str = 'INFO') -> None:
+          int8_activations: bool = False, speculative_algorithm: str | None = None,
+          speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None,
+          log_level: str = 'INFO') -> None:
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-    /v1/models, /generate, /v1/encode, /v1/decode, /health, /metrics (docs at /docs).
+    /v1/models, /generate, /v1/encode, /v1/decode, /tokenize, /detokenize, /tokenizer_info, /health,
+    /metrics (docs at /docs).
 
     Args:
         model_path: an HF model directory, a .gguf file, an AWQ/W8A8 directory, or 'smollm2' (the default).
@@ -239,7 +263,7 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         model_name: the name clients use in "model" (default: the model path's last part).
         chat_template: a built-in template name (chatml, llama3, qwen2, internlm2, base) instead of the model's.
         max_concurrent_requests: requests generating at once; more wait in the server.
-        tool_call_parser: how to read tool calls from the output: qwen (hermes), llama3, internlm, mistral, gpt-oss.
+        tool_call_parser: tool-call format: qwen (hermes), llama3, internlm, mistral, gpt-oss (default: by template).
         reasoning_parser: split reasoning into reasoning_content: deepseek-r1, qwen-qwq (qwen3), gpt-oss (harmony).
         proxy_url: a `lmd serve proxy` to register with at start (and leave at exit).
         allow_origins: CORS origins allowed, separated by commas ('*' for any).
@@ -258,11 +282,14 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         num_threads: CPU threads for the engine (default: all cores).
         device: cpu or cuda.
         int8_activations: TurboMind: quantized matmuls take int8 activations as llama.cpp's (faster on CPUs).
+        speculative_algorithm: speculative decoding: ngram (drafts by prompt lookup) or draft_target.
+        speculative_num_draft_tokens: tokens drafted per step (default 4).
+        speculative_draft_model: the draft model, with draft_target.
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
     import uvicorn
 
-    from lmd.backend import check_backend, command_engine_config
+    from lmd.backend import check_backend, command_engine_config, command_speculative_config
     from lmd.messages import ChatTemplateConfig
     from lmd.model_path import prepare_model_dir
 
@@ -274,7 +301,9 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
     fields = dict(session_len=session_len, max_batch_size=max_batch_size,
                   cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy,
-                  model_format=model_format, tp=tp, dtype=dtype, device=device, num_threads=num_threads)
+                  model_format=model_format, tp=tp, dtype=dtype, device=device, num_threads=num_threads,
+                  speculative_config=command_speculative_config(speculative_algorithm, speculative_num_draft_tokens,
+                                                                speculative_draft_model))
     config = command_engine_config(fields, backend, int8_activations)  # checked before the port opens
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
     name = model_name or (os.path.basename(str(model_path).rstrip('/')) if model_path else 'smollm2')

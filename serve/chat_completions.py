@@ -4,6 +4,7 @@ tool calls)."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -26,11 +27,16 @@ async def answer_chat(request: Request, server: Server, engine: AsyncEngine, bod
     prep = prepare_chat(server, engine, body)
     gen = server.gen_config(body, body.max_completion_tokens or body.max_tokens, len(prep.input_ids),
                             (body.top_logprobs or 0) if body.logprobs else None, prep.response_format)
+    if body.prompt_logprobs is not None:  # vLLM's extra: the prompt's own, from the prefill
+        gen = gen.replace(prompt_logprobs=body.prompt_logprobs)
     rid = f'chatcmpl-{secrets.token_hex(12)}'
     stream = run_answers(server, engine, prep.input_ids, gen, body.session_id, prompt_param='messages')
-    if body.stream:
-        return await sse_response(request, server, timer, stream, ChatStream(server, body, prep, rid, timer))
-    return await until_done(request, chat_whole(server, body, prep, rid, stream, timer), timer)
+    try:
+        if body.stream:
+            return await sse_response(request, server, timer, stream, ChatStream(server, body, prep, rid, timer))
+        return await until_done(request, chat_whole(server, body, prep, rid, stream, timer), timer)
+    except APIError as e:
+        raise prep.blame(e) from None
 
 
 @dataclass
@@ -41,6 +47,21 @@ class ChatPrep:
     required_tools: bool = False        # tool_choice 'required': the output is a JSON list of calls
     parse_tools: bool = False           # tool_choice 'auto' with a parser
     prompt_text: str | None = None      # the rendered prompt (a reasoning parser reads how it ends)
+    # where the grammar came from when not from response_format: (the path lmd.guided names, the request field)
+    format_source: tuple[str, str] | None = None
+
+    def blame(self, e: APIError) -> APIError:
+        """``e`` naming the request field the client sent, when lmd.guided blamed the response_format
+        the server built from it (``regex``, ``guided_json``, a tool's ``parameters``)."""
+        if self.format_source is None or not (e.param or '').startswith(self.format_source[0]):
+            return e
+        path, field = self.format_source
+        param = e.param
+        if self.required_tools:  # the combined schema's items.anyOf[i] is tools[i]
+            m = re.match(re.escape(path) + r'\.items\.anyOf\[(\d+)\]\.properties\.parameters', param)
+            path, field = (m.group(0), f'tools.{m.group(1)}.function.parameters') if m else (path, field)
+        new = field + param[len(path):]
+        return APIError(e.status, e.message.replace(param, new, 1), param=new, type_=e.type, code=e.code)
 
 
 def _tool_schema_required(tools) -> dict:
@@ -52,30 +73,32 @@ def _tool_schema_required(tools) -> dict:
 
 def prepare_chat(server: Server, engine: AsyncEngine, body: ChatCompletionRequest) -> ChatPrep:
     response_format = body.response_format.to_generation_format() if body.response_format else None
-    if body.regex is not None:
-        response_format = {'type': 'regex_schema', 'regex_schema': body.regex}
-    if body.guided_json is not None:
-        response_format = {'type': 'json_schema', 'json_schema': {'name': 'guided_json', 'schema': body.guided_json}}
     prep = ChatPrep(input_ids=[], response_format=response_format)
+    if body.regex is not None:
+        prep.response_format = {'type': 'regex_schema', 'regex_schema': body.regex}
+        prep.format_source = ('response_format.regex_schema', 'regex')
+    if body.guided_json is not None:
+        prep.response_format = {'type': 'json_schema', 'json_schema': {'name': 'guided_json',
+                                                                       'schema': body.guided_json}}
+        prep.format_source = ('response_format.json_schema.schema', 'guided_json')
     tools = body.tools if body.tool_choice != 'none' else None
     if tools:
-        if response_format is not None:
-            raise APIError(400, 'tools cannot be combined with response_format', param='response_format')
+        if prep.response_format is not None:
+            field = prep.format_source[1] if prep.format_source else 'response_format'
+            raise APIError(400, f'tools cannot be combined with {field}', param=field)
         choice = body.tool_choice or 'auto'
         if isinstance(choice, ToolChoiceFunction):
-            fn = next(t.function for t in tools if t.function.name == choice.function.name)
+            i, fn = next((i, t.function) for i, t in enumerate(tools) if t.function.name == choice.function.name)
             prep.forced_tool = fn.name
             prep.response_format = {'type': 'json_schema', 'json_schema': {
                 'name': fn.name, 'schema': fn.parameters or {'type': 'object'}}}
+            prep.format_source = ('response_format.json_schema.schema', f'tools.{i}.function.parameters')
         elif choice == 'required':
             prep.required_tools = True
             prep.response_format = {'type': 'json_schema', 'json_schema': {
                 'name': 'tool_calls', 'schema': _tool_schema_required(tools)}}
-        elif server.tool_parser_cls is None:
-            raise APIError(400, "tools with tool_choice 'auto' need a server started with --tool-call-parser "
-                                "(qwen, llama3, internlm); tool_choice 'required' or a named function works "
-                                "without one", param='tool_choice')
-        else:
+            prep.format_source = ('response_format.json_schema.schema', 'tools')
+        else:  # 'auto', OpenAI's default: read by --tool-call-parser's parser, else the template's (Server)
             prep.parse_tools = True
     try:
         prompt = engine.encode_chat(body.messages, do_preprocess=body.do_preprocess,
@@ -241,9 +264,12 @@ async def chat_whole(server: Server, body: ChatCompletionRequest, prep: ChatPrep
     timer.accepted()
     usage = Usage()
     choices = [ChoiceState(i) for i in range(body.n)]
+    prompt_lps = None
     try:
         async for r in rejoin(first, agen):
             c = choices[r.index]
+            if r.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = r.prompt_logprobs
             usage.add(r.index, r)
             timer.token(r.generate_token_len)
             c.text.append(r.text)
@@ -292,5 +318,9 @@ async def chat_whole(server: Server, body: ChatCompletionRequest, prep: ChatPrep
             choice['logprobs'] = {'content': server.token_texts.chat_logprobs(c.token_ids, c.logprobs,
                                                                                body.top_logprobs or 0)}
         out.append(choice)
-    return {'id': rid, 'object': 'chat.completion', 'created': int(time.time()), 'model': server.config.model_name,
-            'choices': out, 'usage': usage.body()}
+    result = {'id': rid, 'object': 'chat.completion', 'created': int(time.time()), 'model': server.config.model_name,
+              'choices': out, 'usage': usage.body()}
+    if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices (one prompt for all n)
+        result['prompt_logprobs'] = server.token_texts.prompt_logprobs(prep.input_ids, prompt_lps or (),
+                                                                       body.prompt_logprobs)
+    return result

@@ -25,21 +25,30 @@ from .streaming import (
 
 
 async def answer_completions(request: Request, server: Server, engine: AsyncEngine, body: CompletionRequest):
-    """The route: each prompt's ``n`` answers, interleaved in one SSE stream or gathered in one body."""
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, 'echo with logprobs needs the prompt tokens\' logprobs, which lmd does not '
-                            'compute; send echo or logprobs', param='echo')
+    """The route: each prompt's ``n`` answers, interleaved in one SSE stream or gathered in one body.
+
+    ``echo`` with ``logprobs`` puts the prompt tokens' logprobs before the generated ones, the first
+    null (OpenAI's and vLLM's answer, what lm-evaluation-harness scores with); vLLM's
+    ``prompt_logprobs`` adds them to each choice in its own shape. Either has the engine compute them
+    in the prefill; ``max_tokens: 0`` then scores the prompt alone."""
+    if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
+        raise APIError(400, 'max_tokens 0 generates nothing: it is for scoring the prompt, with echo (and '
+                            'logprobs) or prompt_logprobs', param='max_tokens')
     prompts = completion_prompts(engine, body.prompt)
     timer = RequestTimer(server.metrics, body.n * len(prompts))
     response_format = body.response_format.to_generation_format() if body.response_format else None
     gens = [server.gen_config(body, body.max_tokens, len(ids), body.logprobs, response_format) for ids in prompts]
+    prompt_k = max((k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None),
+                   default=None)
+    if prompt_k is not None:
+        gens = [g.replace(prompt_logprobs=prompt_k) for g in gens]
     streams = [run_answers(server, engine, ids, g, body.session_id if len(prompts) == 1 else None,
                            prompt_param='prompt' if len(prompts) == 1 else f'prompt.{i}')
                for i, (ids, g) in enumerate(zip(prompts, gens))]
     rid = f'cmpl-{secrets.token_hex(12)}'
     echo = [engine.decode(ids, skip_special_tokens=False) if not isinstance(body.prompt, str)
             else body.prompt for ids in prompts] if body.echo else None
-    ctx = CompletionStream(server, body, rid, echo, timer, n=body.n, n_prompts=len(prompts))
+    ctx = CompletionStream(server, body, rid, echo, timer, n=body.n, prompts=prompts)
     merged = merge_streams(streams)
     if body.stream:
         return await sse_response(request, server, timer, merged, ctx)
@@ -69,15 +78,15 @@ def completion_prompts(engine: AsyncEngine, prompt) -> list[list[int]]:
 class CompletionStream:
 
     def __init__(self, server: Server, body: CompletionRequest, rid: str, echo: list[str] | None,
-                 timer: RequestTimer, n: int, n_prompts: int):
+                 timer: RequestTimer, n: int, prompts: list[list[int]]):
         self.server, self.body, self.rid, self.echo, self.timer = server, body, rid, echo, timer
-        self.n, self.n_prompts = n, n_prompts
+        self.n, self.n_prompts, self.prompts = n, len(prompts), prompts
         self.created = int(time.time())
         self.model = server.config.model_name
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.usages = [Usage() for _ in range(n_prompts)]
-        self.offsets = [0] * (n * n_prompts)
-        self.echoed = [False] * (n * n_prompts)
+        self.usages = [Usage() for _ in range(self.n_prompts)]
+        self.offsets = [0] * (n * self.n_prompts)
+        self.echoed = [False] * (n * self.n_prompts)
         self.done = 0
 
     def index(self, k: int, r: Response) -> int:
@@ -99,17 +108,28 @@ class CompletionStream:
         self.usages[k].add(r.index, r)
         self.timer.token(r.generate_token_len)
         text = r.text
-        if self.echo is not None and not self.echoed[i]:
+        texts = self.server.token_texts
+        lp = None
+        if self.echo is not None and not self.echoed[i]:  # the first piece: the prompt, and its logprobs
             self.echoed[i] = True
             text = self.echo[k] + text
-        lp = self.logprobs(i, r.token_ids, r.logprobs) if self.body.logprobs is not None and r.logprobs else None
+            if self.body.logprobs is not None:
+                lp = texts.echo_logprobs(self.prompts[k], r.prompt_logprobs, self.body.logprobs)
+                self.offsets[i] = len(self.echo[k])  # the answer's offsets count from the echoed prompt's end
+        if self.body.logprobs is not None and r.logprobs:
+            answer = self.logprobs(i, r.token_ids, r.logprobs)
+            lp = answer if lp is None else {key: lp[key] + answer[key] for key in lp}
         if r.finish_reason is not None:
             self.done += 1
             self.timer.done(r.generate_token_len, r.input_token_len, r.finish_reason)
         if not text and lp is None and r.finish_reason is None:
             return
+        choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason}
+        if self.body.prompt_logprobs is not None and r.prompt_logprobs is not None:
+            choice['prompt_logprobs'] = texts.prompt_logprobs(self.prompts[k], r.prompt_logprobs,
+                                                              self.body.prompt_logprobs)
         chunk = {'id': self.rid, 'object': 'text_completion', 'created': self.created, 'model': self.model,
-                 'choices': [{'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason}]}
+                 'choices': [choice]}
         if self.include_usage:
             chunk['usage'] = None
         yield chunk
@@ -135,6 +155,7 @@ async def completion_whole(ctx: CompletionStream, merged):
     total = ctx.n * ctx.n_prompts
     texts = [[] for _ in range(total)]
     lps: list[dict | None] = [None] * total
+    prompt_lps: list[list | None] = [None] * total
     finish = ['stop'] * total
     try:
         async for item in rejoin(first, agen):
@@ -149,6 +170,8 @@ async def completion_whole(ctx: CompletionStream, merged):
                         lps[i][key].extend(ch['logprobs'][key])
                 if ch['finish_reason'] is not None:
                     finish[i] = ch['finish_reason']
+                if 'prompt_logprobs' in ch:
+                    prompt_lps[i] = ch['prompt_logprobs']
     except Exception as e:
         raise as_api_error(e) from e
     finally:
@@ -158,5 +181,8 @@ async def completion_whole(ctx: CompletionStream, merged):
         lps = [lp or dict(empty) for lp in lps]
     choices = [{'index': i, 'text': ''.join(texts[i]), 'logprobs': lps[i], 'finish_reason': finish[i]}
                for i in range(total)]
+    if ctx.body.prompt_logprobs is not None:  # vLLM's extra, on each choice
+        for choice, plp in zip(choices, prompt_lps):
+            choice['prompt_logprobs'] = plp
     return {'id': ctx.rid, 'object': 'text_completion', 'created': ctx.created, 'model': ctx.model,
             'choices': choices, 'usage': ctx.usage()}

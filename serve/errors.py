@@ -1,11 +1,13 @@
 """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, and the api_server's
-mapping of what goes wrong onto it: 400 for a bad field (named in ``param``) or a prompt that
-does not fit (``context_length_exceeded``), 401, 404, 503, else 500."""
+mapping of what goes wrong onto it: 400 for a bad field (named in ``param``: a response format's
+too, down to the schema keyword xgrammar or the JSON Schema meta-schema refused) or a prompt or
+``max_tokens`` that does not fit (``context_length_exceeded``), 401, 404, 503, else 500."""
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
 from lmd.errors import PromptTooLongError
+from lmd.guided import ResponseFormatError
 
 
 class APIError(Exception):
@@ -34,6 +36,8 @@ def as_api_error(e: BaseException, prompt_param: str | None = None) -> APIError:
         return e
     if isinstance(e, PromptTooLongError):  # the engines' one length check (lmd.engine.SessionTable)
         return APIError(400, e.detail, param=prompt_param, code='context_length_exceeded')
+    if isinstance(e, ResponseFormatError):  # a schema or regex xgrammar cannot compile (lmd.guided)
+        return APIError(400, str(e), param=e.param)
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     return APIError(500, f'{type(e).__name__}: {e}')

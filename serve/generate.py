@@ -14,7 +14,7 @@ from lmd.messages import GenerationConfig, Response
 
 from .errors import APIError, as_api_error
 from .openai_protocol import GenerateRequest
-from .server import Server
+from .server import Server, max_new_tokens
 from .streaming import MAX_USER_SESSION_ID, RequestTimer, rejoin, split_first, until_done
 
 
@@ -41,11 +41,13 @@ async def run_generate(request: Request, server: Server, engine: AsyncEngine, bo
     if not ids:
         raise APIError(400, 'the prompt is empty', param='prompt')
     max_tokens = body.max_tokens or body.request_output_len
-    room = engine.session_len - len(ids)  # a prompt that does not fit is refused by the engine (PromptTooLongError)
+    # checked against this request's tokens: a kept session's history is the engine's to count (it ends
+    # the turn at session_len)
+    max_new = max_new_tokens(engine.session_len, len(ids), max_tokens,
+                             'max_tokens' if body.max_tokens else 'request_output_len')
     try:
-        gen = GenerationConfig(max_new_tokens=max(1, min(max_tokens or room, room)),
-                               min_new_tokens=body.min_new_tokens if body.min_new_tokens <= (max_tokens or room)
-                               else 0,
+        gen = GenerationConfig(max_new_tokens=max_new,
+                               min_new_tokens=body.min_new_tokens if body.min_new_tokens <= max_new else 0,
                                do_sample=body.temperature > 0, temperature=body.temperature, top_p=body.top_p,
                                top_k=max(body.top_k, 0), min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                ignore_eos=body.ignore_eos, random_seed=body.seed, stop_words=body.stop,

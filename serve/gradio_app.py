@@ -437,7 +437,8 @@ def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0
                  session_len: int | None = None, cache_max_entry_count: float | None = None,
                  enable_prefix_caching: bool | None = None, quant_policy: int | None = None, dtype: str | None = None,
                  num_threads: int | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-                 share: bool = False) -> None:
+                 share: bool = False, speculative_algorithm: str | None = None,
+                 speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None) -> None:
     """A web chat (Gradio) on a model run here, on an api_server or on Triton: streamed answers, Stop, Clear,
     a system prompt, temperature / top-p / max-new-tokens; each browser session is its own conversation.
 
@@ -458,14 +459,19 @@ def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0
         num_threads: CPU threads for a local engine (default: all cores).
         max_concurrent: answers generated at once, across all users.
         share: ask Gradio for a public link (needs the internet).
+        speculative_algorithm: speculative decoding, for a local model: ngram (drafts by prompt lookup) or
+            draft_target.
+        speculative_num_draft_tokens: tokens drafted per step (default 4), for a local model.
+        speculative_draft_model: the draft model, with draft_target.
     """
-    from lmd.backend import check_backend
+    from lmd.backend import check_backend, command_speculative_config
     from lmd.messages import EngineConfig
     check_backend(backend)
     local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://', 'triton://')))
     fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy, dtype=dtype,
-                  num_threads=num_threads)
+                  num_threads=num_threads, speculative_config=command_speculative_config(
+                      speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model))
     fields = {k: v for k, v in fields.items() if v is not None}
     # given for a URL, the engine flags, the backend and the template are an error open_chat_client names
     config = EngineConfig(**fields) if fields else None

@@ -59,6 +59,12 @@ class _EngineCollector:
         yield counter('lmd:num_preemptions', 'Requests preempted because the KV cache ran out.', s.num_preemptions)
         yield counter('lmd:prompt_tokens', 'Prompt tokens prefilled.', s.num_prompt_tokens)
         yield counter('lmd:generation_tokens', 'Tokens generated.', s.num_generated_tokens)
+        # speculative decoding (vLLM's spec_decode_* names); the mean acceptance length is
+        # 1 + accepted_tokens / drafts
+        yield counter('lmd:spec_decode_num_drafts', 'Sequence steps that verified a draft.', s.spec_num_drafts)
+        yield counter('lmd:spec_decode_num_draft_tokens', 'Tokens drafted.', s.spec_num_draft_tokens)
+        yield counter('lmd:spec_decode_num_accepted_tokens', 'Drafted tokens the model accepted.',
+                      s.spec_num_accepted_tokens)
 
 
 class ServerMetrics:

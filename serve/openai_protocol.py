@@ -106,6 +106,8 @@ class _Sampling(_Strict):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     session_id: int | None = Field(None, ge=0)
+    # vLLM's: each prompt token's logprob and its k best alternatives, beside the answer (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator('stop')
     @classmethod
@@ -129,6 +131,13 @@ class _Sampling(_Strict):
     def _seed(cls, v):
         if v is not None and not -_U64 // 2 <= v < _U64:
             raise ValueError('seed must fit in 64 bits')
+        return v
+
+    @field_validator('prompt_logprobs')
+    @classmethod
+    def _prompt_logprobs_whole(cls, v, info):
+        if v is not None and info.data.get('stream'):
+            raise ValueError('prompt_logprobs are not available when stream is true (as vLLM answers)')
         return v
 
     @field_validator('logit_bias')
@@ -173,7 +182,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's completions default
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's completions default; 0: score the prompt (echo)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
@@ -245,6 +254,34 @@ class EncodeRequest(_Strict):
     input: str | list[str]
     do_preprocess: bool = False
     add_bos: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt`` tokenized as it is, or chat ``messages`` rendered by the chat
+    template first (with ``add_generation_prompt``, ``tools``, ``chat_template_kwargs``). Without
+    ``add_special_tokens`` a prompt gets the model's BOS and rendered messages none (the template
+    writes its own), as vLLM's defaults."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``: token ids back to text."""
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator('tokens')
+    @classmethod
+    def _ids(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError('token ids are non-negative')
+        return v
 
 
 class DecodeRequest(_Strict):

@@ -22,7 +22,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .reasoning_parser import ReasoningParserManager
 from .token_texts import TokenTexts
-from .tool_parser import ToolParserManager
+from .tool_parser import ToolParserManager, default_tool_parser
 
 logger = logging.getLogger('lmd.serve')
 
@@ -59,7 +59,7 @@ class Server:
                           if config.max_concurrent_requests else None)
         self.sessions: dict[int, bool] = {}  # /generate's interactive sessions: id -> started
         self.token_texts: TokenTexts | None = None
-        self.tool_parser_cls = self.reasoning_parser_cls = None
+        self.tool_parser_cls = self.reasoning_parser_cls = None  # the tool parser: the flag's, else the engine's
         if config.tool_call_parser:
             self.tool_parser_cls = ToolParserManager.get(config.tool_call_parser)
         if config.reasoning_parser:
@@ -77,7 +77,18 @@ class Server:
 
     def _ready(self, engine: AsyncEngine) -> None:
         self.token_texts = TokenTexts(engine.tokenizer)
+        self._pick_tool_parser(engine)
         self.engine = engine
+
+    def _pick_tool_parser(self, engine: AsyncEngine) -> None:
+        """Without --tool-call-parser, the parser the model's chat template implies, so a request with
+        ``tools`` and no ``tool_choice`` (OpenAI's ``auto``) works on a default server."""
+        if self.config.tool_call_parser:
+            logger.info('tool-call parser: %s (--tool-call-parser)', self.config.tool_call_parser)
+            return
+        name, why = default_tool_parser(engine.chat_template, engine.model_info.architecture)
+        self.tool_parser_cls = ToolParserManager.get(name)
+        logger.info('tool-call parser: %s (%s; --tool-call-parser overrides)', name, why)
 
     def load(self) -> None:
         """Build the engine (in a background thread); /health turns 200 when it is ready."""
@@ -170,9 +181,9 @@ class Server:
     def gen_config(self, req, max_tokens: int | None, prompt_len: int, logprobs: int | None,
                    response_format: dict | None) -> GenerationConfig:
         engine = self.engine
-        # a prompt that leaves no room is refused by the engine's length check (PromptTooLongError)
-        room = max(1, engine.session_len - prompt_len)
-        max_new = room if max_tokens is None else min(max_tokens, room)
+        sent = next((f for f in ('max_completion_tokens', 'max_tokens')
+                     if f in getattr(req, 'model_fields_set', ()) and getattr(req, f, None) is not None), None)
+        max_new = max_new_tokens(engine.session_len, prompt_len, max_tokens, sent)
         seed = None if req.seed is None else req.seed % 2**64
         try:
             return GenerationConfig(
@@ -187,3 +198,24 @@ class Server:
                 response_format=response_format)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+
+
+def max_new_tokens(session_len: int, prompt_len: int, max_tokens: int | None, param: str | None) -> int:
+    """The ``max_new_tokens`` a request runs with: ``max_tokens`` when it fits in the context after the
+    prompt, the rest of the context when it is absent. ``param``: the field the client sent it in (None:
+    not sent, so a default such as /v1/completions' 16 is cut to fit). A sent value that does not fit
+    is a 400 naming both numbers, as vLLM and OpenAI answer, never silently cut.
+
+    A prompt that leaves no room at all is the engine's to refuse (``PromptTooLongError``, which alone
+    knows a kept session's history), so it is let through here with one token."""
+    room = session_len - prompt_len
+    if room <= 0:
+        return 1 if max_tokens is None else min(max_tokens, 1)
+    if max_tokens is None:
+        return room
+    if max_tokens > room and param is not None:
+        raise APIError(400, f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+                            f'{session_len} tokens and your request has {prompt_len} input tokens '
+                            f'({max_tokens} > {session_len} - {prompt_len}): send at most {room}',
+                       param=param, code='context_length_exceeded')
+    return min(max_tokens, room)

@@ -88,3 +88,45 @@ class TokenTexts:
             offsets.append(offset)
             offset += len(text)
         return {'tokens': tokens, 'token_logprobs': token_lps, 'top_logprobs': tops, 'text_offset': offsets}
+
+    def echo_logprobs(self, token_ids: Sequence[int], prompt_logprobs: Sequence[dict[int, float] | None] | None,
+                      top_k: int) -> dict:
+        """The prompt's part of an echoed completion's ``logprobs`` (OpenAI and vLLM, ``echo`` with
+        ``logprobs``): one entry per prompt token, offsets from 0 in the echoed text; the first token's
+        ``token_logprobs`` and ``top_logprobs`` are null (nothing predicts it), as are all of them
+        without the engine's prompt logprobs."""
+        lps = list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(token_ids)
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, lp in zip(token_ids, lps):
+            text, _ = self.get(tid)
+            tokens.append(text)
+            token_lps.append(None if lp is None else lp.get(tid, -9999.0))
+            tops.append({self.get(a)[0]: v for a, v in _best(lp, top_k)} if lp is not None and top_k else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {'tokens': tokens, 'token_logprobs': token_lps, 'top_logprobs': tops, 'text_offset': offsets}
+
+    def prompt_logprobs(self, token_ids: Sequence[int], prompt_logprobs: Sequence[dict[int, float] | None],
+                        top_k: int) -> list[dict[str, dict] | None]:
+        """vLLM's ``prompt_logprobs`` (a response extra): per prompt token None (the first) or
+        ``{token_id: {logprob, rank, decoded_token}}``, the prompt's own token and the ``top_k`` best.
+        Ranks count from 1 over the vocabulary; the prompt's token outside the top k has rank null
+        (the engines keep only the top k)."""
+        out: list[dict[str, dict] | None] = []
+        for tid, lp in zip(token_ids, prompt_logprobs):
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))
+            rank = {t: r for r, (t, _) in enumerate(ranked, 1) if r <= top_k}
+            entry = {str(tid): {'logprob': lp[tid], 'rank': rank.get(tid), 'decoded_token': self.get(tid)[0]}}
+            for alt, alt_lp in ranked[:top_k]:
+                entry.setdefault(str(alt), {'logprob': alt_lp, 'rank': rank[alt], 'decoded_token': self.get(alt)[0]})
+            out.append(entry)
+        return out
+
+
+def _best(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely of an entry that holds its token and at least the k best, best first."""
+    return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))[:k]

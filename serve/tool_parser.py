@@ -38,6 +38,11 @@ Rules both paths keep, so a stream adds up to the whole parse (content joined, a
 
 With a reasoning parser as well, the reasoning parser goes first and only its ``content`` is fed here.
 
+Without ``--tool-call-parser`` the api_server picks one (``default_tool_parser``) from how the chat
+template writes tools: a template with a tool format of its own gets that format's parser; a built-in
+template its ``tool_style``'s; a template that never mentions tools gets ``qwen`` (Hermes), since
+``lmd.chat_template`` then writes the tools and calls Hermes-style itself.
+
 This module holds the formats; what they return is in ``deltas.py``, the machine they all run in
 ``tool_call_stream.py`` (over ``json_scan.py``, which follows a call's JSON as it grows).
 """
@@ -51,7 +56,7 @@ from .registry import Registry
 from .tool_call_stream import ToolCallStream
 
 __all__ = ['DeltaMessage', 'DeltaToolCall', 'ExtractedToolCalls', 'JsonObjectScan', 'ToolCall', 'ToolParser',
-           'ToolParserManager', 'make_tool_call_id', 'partial_suffix']
+           'ToolParserManager', 'default_tool_parser', 'make_tool_call_id', 'partial_suffix']
 
 
 class ToolParser:
@@ -163,3 +168,45 @@ class GptOssToolParser(ToolParser):
 
     def has_tool_calls(self) -> bool:
         return self._calls.num_calls > 0
+
+
+# ---- the parser a server without --tool-call-parser uses --------------------------------------------------
+
+# a built-in template's tool_style (lmd.chat_template.TOOL_STYLES) -> the parser reading what it asks for
+_STYLE_PARSERS = {'hermes': 'qwen', 'llama3': 'llama3', 'internlm2': 'internlm'}
+# what a Jinja template's own tool format says of itself, most specific first
+_TEMPLATE_MARKERS = (
+    ('gpt-oss', ('<|channel|>', 'to=functions')),
+    ('mistral', ('[TOOL_CALLS]', '[AVAILABLE_TOOLS]')),
+    ('internlm', ('<|action_start|>', '<|plugin|>')),
+    ('qwen', ('<tool_call>',)),
+    ('llama3', ('<|python_tag|>', 'Given the following functions')),
+)
+# a template with an unknown tool format: the family (HF architecture prefix) decides
+_FAMILY_PARSERS = (('GptOss', 'gpt-oss'), ('Mistral', 'mistral'), ('Mixtral', 'mistral'), ('InternLM', 'internlm'),
+                   ('Qwen', 'qwen'), ('Llama', 'llama3'))
+
+
+def default_tool_parser(chat_template, architecture: str = '') -> tuple[str, str]:
+    """(parser name, why) for a server started without ``--tool-call-parser``.
+
+    ``chat_template``: the engine's ``lmd.chat_template.ChatTemplate``; ``architecture``: the HF
+    architecture (``ModelInfo.architecture``). The template decides first, as it is what tells the
+    model how to write a call; the family only when the template has a tool format lmd does not know,
+    and Hermes (``qwen``) when nothing says more."""
+    style = getattr(chat_template, 'tool_style', None)
+    if style in _STYLE_PARSERS:
+        return _STYLE_PARSERS[style], f'the built-in template writes tools in the {style} style'
+    text = getattr(chat_template, 'template_str', None)
+    if text is None or not getattr(chat_template, 'knows_tools', False):
+        return 'qwen', 'the chat template has no tool format of its own: lmd writes tools Hermes-style'
+    for name, markers in _TEMPLATE_MARKERS:
+        found = next((m for m in markers if m in text), None)
+        if found is not None:
+            return name, f'the chat template writes tools with {found}'
+    for prefix, name in _FAMILY_PARSERS:
+        if architecture.startswith(prefix):
+            return name, f'the model family ({architecture}); the template\'s tool format is not one lmd knows'
+    return 'qwen', (f'neither the chat template\'s tool format nor the model family ({architecture or "unknown"}) '
+                    'is one lmd knows: Hermes-style, the most common; set --tool-call-parser if calls come '
+                    'back as content')

@@ -4,6 +4,7 @@
 // caller's array stays alive for the call and keeps its memory. The GIL is released
 // while a kernel runs.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <string>
@@ -13,6 +14,7 @@
 #include "core/tensor.h"
 #include "bindings/kv_cache.h"
 #include "cpu/kernels.h"
+#include "cpu/ngram.h"
 
 namespace py = pybind11;
 
@@ -206,6 +208,15 @@ void bind_ops(py::module_ & m) {
             "out[T, I] = silu(x[:, :I]) * x[:, I:].");
     ops.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, py::arg("x"), py::arg("out"),
             "out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU: torch's gelu(approximate='tanh')).");
+    ops.def("ngram_propose", [](const std::vector<int32_t> & tokens, int min_n, int max_n, int k) {
+                if (min_n < 1 || max_n < min_n || k < 0)
+                    throw py::value_error("ngram_propose: need 1 <= min_n <= max_n and k >= 0, got min_n=" +
+                                          std::to_string(min_n) + ", max_n=" + std::to_string(max_n) +
+                                          ", k=" + std::to_string(k));
+                return cpu::ngram_propose(tokens.data(), (int64_t) tokens.size(), min_n, max_n, k);
+            }, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("k"),
+            "Prompt-lookup draft (speculative decoding): the up to k tokens that followed the latest earlier "
+            "occurrence of the longest suffix of tokens (max_n down to min_n long); [] when none occurred.");
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
