@@ -128,26 +128,32 @@ def lmd_worker(args, work: dict) -> dict:
 # ---- llama.cpp worker (llama-cpp-python, one sequence) ----------------------------------------------
 
 
+def open_llama(path: str, use_extra_bufts: bool, **kwargs):
+    """llama-cpp-python's ``Llama(model_path=path, verbose=False, **kwargs)``, with its repacked (CPU-specific /
+    AMX) weight buffers on or off: ``Llama()`` takes no use_extra_bufts, its model params start from
+    ``llama_model_default_params()``, which is wrapped for the call."""
+    import llama_cpp.llama_cpp as c_api
+    from llama_cpp import Llama
+    default_params = c_api.llama_model_default_params
+
+    def model_params():
+        params = default_params()
+        params.use_extra_bufts = use_extra_bufts
+        return params
+    c_api.llama_model_default_params = model_params
+    try:
+        return Llama(model_path=path, verbose=False, **kwargs)
+    finally:
+        c_api.llama_model_default_params = default_params
+
+
 class LlamaCppRunner:
     """Greedy decoding of token ids through llama-cpp-python's ``Llama.eval``; no prefix reuse
     (every request starts from an empty context), EOS never checked."""
 
     def __init__(self, path: str, num_threads: int, n_ctx: int, n_batch: int, use_extra_bufts: bool):
-        import llama_cpp.llama_cpp as c_api
-        from llama_cpp import Llama
-        # Llama() takes no use_extra_bufts: its model params start from llama_model_default_params()
-        default_params = c_api.llama_model_default_params
-
-        def model_params():
-            params = default_params()
-            params.use_extra_bufts = use_extra_bufts
-            return params
-        c_api.llama_model_default_params = model_params
-        try:
-            self.llm = Llama(model_path=path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
-                             n_batch=n_batch, n_ubatch=n_batch, logits_all=False, verbose=False)
-        finally:
-            c_api.llama_model_default_params = default_params
+        self.llm = open_llama(path, use_extra_bufts, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
+                              n_batch=n_batch, n_ubatch=n_batch, logits_all=False)
         self.n_vocab = self.llm.n_vocab()
 
     def _eval_argmax(self, ids: list[int]) -> int:

@@ -74,21 +74,11 @@ def lmd_side(model: str, backend: str, k: int | None, messages: dict, max_new_to
 
 def llamacpp_side(path: str, k: int | None, prompts: dict, max_new_tokens: int, threads: int,
                   use_extra_bufts: bool) -> dict:
-    import llama_cpp.llama_cpp as c_api
-    from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    default_params = c_api.llama_model_default_params
 
-    def model_params():
-        params = default_params()
-        params.use_extra_bufts = use_extra_bufts
-        return params
-    c_api.llama_model_default_params = model_params
-    try:
-        llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False,
-                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None)
-    finally:
-        c_api.llama_model_default_params = default_params
+    from compare_llamacpp import open_llama
+    llm = open_llama(path, use_extra_bufts, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None)
     out = {}
     llm.create_completion(prompts['copy'], max_tokens=8, temperature=0.0)  # warm up
     for task, prompt in prompts.items():

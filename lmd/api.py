@@ -138,6 +138,13 @@ class Pipeline:
         cross-entropy loss; ``math.exp`` of it is the perplexity), ``AsyncEngine.get_ppl``."""
         return self._run(self.async_engine.get_ppl(input_ids))
 
+    # ---- embeddings ------------------------------------------------------------------------
+
+    def embed(self, inputs, dimensions: int | None = None) -> list[list[float]]:
+        """As vLLM's ``LLM.embed``: one embedding per input (a text, a list of texts, a list of token
+        ids or a list of such lists), pooled as the model's directory declares (``AsyncEngine.embed``)."""
+        return [e.tolist() for e in self._run(self.async_engine.embed(inputs, dimensions))]
+
     # ---- interactive sessions -------------------------------------------------------------
 
     def new_session(self, system: str | None = None) -> Session:

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from .backend import CONFIGS, resolve_backend
 from .chat_template import get_chat_template, to_messages
+from .embeddings import PoolerConfig, embedding, pooler_config_from_dir
 from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams, token_nll
+from .errors import InputTooLongError
 from .guided import constraint_for
 from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
@@ -63,6 +65,11 @@ def _id_batch(input_ids, min_len: int) -> list[list[int]]:
     return [list(ids) for ids in batch]
 
 
+def _is_ids(x) -> bool:
+    """Whether ``x`` is a list of int token ids (an empty one too)."""
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 @dataclass
 class Session:
     """An interactive conversation whose KV cache the engine keeps between turns."""
@@ -96,6 +103,7 @@ class AsyncEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._ids = itertools.count(1 << 32)  # request ids, above any user session id
         self._ids_lock = threading.Lock()
+        self._pooler_config: PoolerConfig | None = None
 
     def next_session_id(self) -> int:
         with self._ids_lock:
@@ -194,15 +202,23 @@ class AsyncEngine:
                 new_ids = list(out.token_ids)
                 if out.finish_reason == 'stop' and new_ids and new_ids[-1] in request.sampling.stop_token_ids:
                     new_ids = new_ids[:-1]  # the stop token ends the answer; it is not part of it
-                token_ids.extend(new_ids)
-                pending_ids.extend(new_ids)
-                if logprobs is not None and out.logprobs:
-                    pending_lp.extend(out.logprobs[:len(new_ids)])
-                text, state = self.tokenizer.detokenize_incrementally(
-                    token_ids, state, skip_special_tokens=gen.skip_special_tokens,
-                    spaces_between_special_tokens=gen.spaces_between_special_tokens,
-                    final=out.finish_reason is not None)
-                text, hit_stop = stops.feed(text)
+                # token by token: an output of several tokens (a speculative step's) ends at the token that
+                # completes a stop string, as single-token outputs do
+                text, hit_stop = '', False
+                pieces = [[t] for t in new_ids] or [[]]
+                for j, piece in enumerate(pieces):
+                    token_ids.extend(piece)
+                    pending_ids.extend(piece)
+                    if logprobs is not None and out.logprobs:
+                        pending_lp.extend(out.logprobs[j:j + len(piece)])
+                    piece_text, state = self.tokenizer.detokenize_incrementally(
+                        token_ids, state, skip_special_tokens=gen.skip_special_tokens,
+                        spaces_between_special_tokens=gen.spaces_between_special_tokens,
+                        final=out.finish_reason is not None and j == len(pieces) - 1)
+                    piece_text, hit_stop = stops.feed(piece_text)
+                    text += piece_text
+                    if hit_stop:
+                        break
                 finish_reason = out.finish_reason
                 if finish_reason == 'error':
                     raise RuntimeError(out.error or 'the engine failed this request')
@@ -296,6 +312,62 @@ class AsyncEngine:
         for ids in _id_batch(input_ids, 2):
             logits = await loop.run_in_executor(None, self.engine.get_logits, ids)
             out.append(token_nll(logits, ids).sum().item() / (len(ids) - 1))
+        return out
+
+    # ---- embeddings ------------------------------------------------------------------------
+
+    @property
+    def pooler_config(self) -> PoolerConfig:
+        """How this model's hidden states become its embeddings, as its directory declares
+        (``lmd.embeddings.pooler_config_from_dir``); read on first use, so that a generating server
+        never fails on files only an embedder reads."""
+        if self._pooler_config is None:
+            self._pooler_config = pooler_config_from_dir(self.model_dir)
+        return self._pooler_config
+
+    def embedding_inputs(self, inputs) -> list[list[int]]:
+        """OpenAI's ``input`` (a text, a list of texts, a list of token ids or a list of such lists) as
+        token-id lists. A text is tokenized as it is, with the tokenizer's special tokens, as
+        sentence-transformers tokenizes it (the BOS, or the EOS that Qwen3-Embedding's tokenizer appends
+        for last-token pooling to read). ValueError naming ``input[i]`` for an empty input, an id outside
+        the vocabulary, or more tokens than session_len."""
+        if isinstance(inputs, str) or _is_ids(inputs):
+            inputs = [inputs]
+        if not isinstance(inputs, (list, tuple)):
+            raise ValueError('input must be a text, a list of texts, a list of token ids or a list of such lists, '
+                             f'not {type(inputs).__name__}')
+        batch = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, str):
+                ids = self.encode_text(x, add_special_tokens=True)
+            elif _is_ids(x):
+                ids = list(x)
+            else:
+                raise ValueError(f'input[{i}] must be a text or a list of token ids, got {type(x).__name__}')
+            vocab = self.model_info.vocab_size
+            if not ids:
+                raise ValueError(f'input[{i}] is empty: it has no tokens to embed')
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f'input[{i}]: token id {bad} is outside the vocabulary [0, {vocab})')
+            if len(ids) > self.session_len:
+                raise InputTooLongError(i, len(ids), self.session_len)
+            batch.append(ids)
+        return batch
+
+    async def embed(self, inputs, dimensions: int | None = None) -> list[torch.Tensor]:
+        """As vLLM's ``LLM.embed``: one float32 embedding [hidden_size, or ``dimensions``] per input
+        (``embedding_inputs`` reads them), pooled as ``pooler_config`` says (``lmd.embeddings``). Each
+        input runs alone, in one forward pass over a KV cache of its own (``Engine.get_hidden_states``),
+        off the event loop and beside the requests being generated, which it leaves untouched.
+        ValueError for bad inputs or ``dimensions`` the model does not declare."""
+        config = self.pooler_config
+        config.check_dimensions(dimensions, self.model_info.hidden_size)
+        loop = asyncio.get_running_loop()
+        out = []
+        for ids in self.embedding_inputs(inputs):
+            hidden = await loop.run_in_executor(None, self.engine.get_hidden_states, ids)
+            out.append(embedding(hidden, config, dimensions))
         return out
 
     # ---- interactive sessions -------------------------------------------------------------

@@ -43,6 +43,11 @@ forward pass, and the requests in flight and the serving cache are left as they 
 not per-token NLLs, cross the interface: ``get_logits`` needs them anyway, both engines run in
 this process so the tensor is handed over, not copied, and the NLL is then computed once, in
 float64, by ``token_nll``, so both engines' perplexities come from the same arithmetic.
+
+Embedding: ``get_hidden_states`` is the same pass, the same contract, without the head: every
+position's final hidden state (after the model's final norm, before lm_head), which an embedder pools
+(``lmd.embeddings``; ``AsyncEngine.embed`` and ``/v1/embeddings`` above it). So a server answers
+embeddings beside the generations in flight, which it leaves untouched.
 """
 from __future__ import annotations
 
@@ -209,6 +214,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     architecture: str
     model_format: str = 'hf'  # how the weights run: 'hf' (float), 'gguf' or a quantized checkpoint's format
+    hidden_size: int = 0      # the width of get_hidden_states' rows (an embedding's values)
 
 
 class Engine(ABC):
@@ -250,23 +256,29 @@ class Engine(ABC):
         cache of this call's own (see the module docstring); ValueError for ids ``scored_token_ids``
         refuses."""
 
+    @abstractmethod
+    def get_hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 [len(token_ids), hidden_size] on the CPU: row t is the final hidden state (after the
+        model's final norm, before lm_head) of position t, run as ``get_logits`` runs it."""
 
-def scored_token_ids(token_ids: Sequence[int], info: ModelInfo) -> list[int]:
-    """``token_ids`` as a list of ints if ``get_logits`` can score them, else ValueError (TypeError
-    for what is not a token id): not empty, inside the vocabulary, at most ``session_len`` long."""
+
+def scored_token_ids(token_ids: Sequence[int], info: ModelInfo, caller: str = 'get_logits') -> list[int]:
+    """``token_ids`` as a list of ints if ``get_logits`` (or ``get_hidden_states``, the ``caller``) can
+    run them, else ValueError (TypeError for what is not a token id): not empty, inside the
+    vocabulary, at most ``session_len`` long."""
     try:
         ids = [operator.index(t) for t in token_ids]
     except TypeError:
-        raise TypeError('get_logits takes a sequence of int token ids') from None
+        raise TypeError(f'{caller} takes a sequence of int token ids') from None
     if not ids:
-        raise ValueError('get_logits: the sequence is empty; send at least one token')
+        raise ValueError(f'{caller}: the sequence is empty; send at least one token')
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= info.vocab_size:
         bad = lo if lo < 0 else hi
-        raise ValueError(f'get_logits: token id {bad} is outside the vocabulary [0, {info.vocab_size})')
+        raise ValueError(f'{caller}: token id {bad} is outside the vocabulary [0, {info.vocab_size})')
     if len(ids) > info.session_len:
-        raise ValueError(f'get_logits: {len(ids)} tokens are more than session_len={info.session_len}; score '
-                         'shorter windows, or raise session_len in the engine config')
+        raise ValueError(f'{caller}: {len(ids)} tokens are more than session_len={info.session_len}; send '
+                         'shorter sequences, or raise session_len in the engine config')
     return ids
 
 

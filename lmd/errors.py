@@ -31,3 +31,16 @@ class PromptTooLongError(LmdError, ValueError):
 
     def __reduce__(self):  # pickles with its fields, not its message
         return type(self), (self.session_id, self.num_prompt_tokens, self.num_history_tokens, self.session_len)
+
+
+class InputTooLongError(LmdError, ValueError):
+    """An input to embed (``AsyncEngine.embedding_inputs``) has more tokens than ``session_len``; the
+    servers answer it as 400 ``context_length_exceeded`` naming the input."""
+
+    def __init__(self, index: int, num_tokens: int, session_len: int):
+        self.index, self.num_tokens, self.session_len = index, num_tokens, session_len
+        super().__init__(f'input[{index}] has {num_tokens} tokens, more than this model\'s context of '
+                         f'{session_len} tokens (session_len): send a shorter input')
+
+    def __reduce__(self):
+        return type(self), (self.index, self.num_tokens, self.session_len)

@@ -208,7 +208,9 @@ class ModelConfig:
     @staticmethod
     def from_dict(cfg: dict[str, Any], where: str = 'config.json') -> 'ModelConfig':
         archs = cfg.get('architectures') or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        # a backbone saved alone (``Qwen3Model``: sentence-transformers saves embedders so) is its causal LM's
+        causal = [a[:-len('Model')] + 'ForCausalLM' if isinstance(a, str) and a.endswith('Model') else a for a in archs]
+        arch = next((a for a in archs + causal if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelConfigError(
                 f'{where}: architecture {archs or cfg.get("model_type")!r} is not supported; '

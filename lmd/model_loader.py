@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 import torch
@@ -16,6 +17,8 @@ from .errors import ModelFormatError
 
 # Files that sit next to a model's weights but are not its weights (LoRA adapters, optimizer state).
 _NOT_WEIGHTS = ('adapter_model', 'optimizer', 'training_args')
+
+logger = logging.getLogger('lmd')
 
 
 def _from_index(model_dir: str, index_name: str) -> tuple[list[str], dict[str, str]]:
@@ -87,4 +90,21 @@ def load_weights(model_dir: str, dtype: torch.dtype | None = None) -> dict[str, 
             raise ModelFormatError(
                 f'{os.path.join(model_dir, shard)}: missing tensor {missing[0]!r} that the shard index '
                 f'places there ({len(missing)} missing in all)')
-    return weights
+    return with_backbone_prefix(weights, model_dir)
+
+
+def with_backbone_prefix(weights: dict[str, torch.Tensor], model_dir: str = '') -> dict[str, torch.Tensor]:
+    """A checkpoint saved from the backbone alone (HF's base model: ``embed_tokens.weight``,
+    ``layers.*``, ``norm.weight``, no ``model.`` prefix and no head, as Qwen3-Embedding ships) under
+    the names of its ``*ForCausalLM``, as ``from_pretrained`` loads it; the head it lacks is its
+    embedding (which a tied model's head is anyway; an untied one's logits then mean nothing, but
+    an embedder reads only the hidden states). Any other checkpoint is returned as it is."""
+    if 'embed_tokens.weight' not in weights or 'norm.weight' not in weights or \
+            any(name.startswith('model.') for name in weights):
+        return weights
+    out = {name if name == 'lm_head.weight' else f'model.{name}': t for name, t in weights.items()}
+    if 'lm_head.weight' not in out:
+        out['lm_head.weight'] = out['model.embed_tokens.weight']
+        logger.info('%s holds a backbone without a language-model head (an embedding model\'s): its head is '
+                    'taken to be its embedding', model_dir or 'the checkpoint')
+    return out

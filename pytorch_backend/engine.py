@@ -134,7 +134,7 @@ class PytorchEngine(Engine):
         self.proposer = build_proposer(cfg.speculative_config, session_len)
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
-                                    model_format=self.model_format)
+                                    model_format=self.model_format, hidden_size=mc.hidden_size)
 
         # engine thread only
         self._seqs: dict[int, Sequence] = {}   # every active or kept session
@@ -190,6 +190,12 @@ class PytorchEngine(Engine):
         runs the model), over a KV cache of the call's own (``ModelRunner.score``)."""
         ids = scored_token_ids(token_ids, self.model_info)
         return self.call_on_engine_thread(lambda engine: engine.runner.score(ids).cpu(), timeout=None)
+
+    def get_hidden_states(self, token_ids) -> torch.Tensor:
+        """The Engine interface's embedding call: run as ``get_logits`` runs, the final norm's output in
+        place of the logits (``ModelRunner.hidden_states``)."""
+        ids = scored_token_ids(token_ids, self.model_info, 'get_hidden_states')
+        return self.call_on_engine_thread(lambda engine: engine.runner.hidden_states(ids).cpu(), timeout=None)
 
     def __enter__(self):
         return self

@@ -165,6 +165,17 @@ class ModelRunner:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [n, vocab] of one sequence teacher-forced in one forward pass, over a KV cache
         of its own (the serving cache's blocks are left alone), freed after (``PytorchEngine.get_logits``)."""
+        return self.model.compute_logits(self.forward_alone(token_ids))
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 [n, hidden]: the final norm's output of one sequence, run as ``score`` runs it
+        (``PytorchEngine.get_hidden_states``)."""
+        return self.forward_alone(token_ids).float()
+
+    def forward_alone(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's hidden states [n, hidden] (after the final norm, the model dtype) of one sequence
+        in one forward pass over a KV cache of its own, freed after."""
         n, bs, dev = len(token_ids), self.block_size, self.device
         num_blocks = -(-n // bs)
         # one sequence in blocks 0, 1, ... in order: token t sits in slot t
@@ -176,4 +187,4 @@ class ModelRunner:
                           is_decode=n == 1, query_lens_list=[n], context_lens_list=[n],
                           quant_policy=self.quant_policy)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        return self.model.compute_logits(self.model.forward(ids, torch.arange(n, device=dev), ctx))
+        return self.model.forward(ids, torch.arange(n, device=dev), ctx)

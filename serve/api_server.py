@@ -1,6 +1,7 @@
 """``lmd serve api_server``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncEngine.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/embeddings`` (the one model route of ``--task embed``),
 ``POST /generate`` (LMDeploy's raw endpoint, with interactive sessions), ``POST /v1/encode``
 and ``/v1/decode``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``,
 ``GET /health``, ``GET /metrics``.
@@ -36,6 +37,7 @@ from lmd.async_engine import AsyncEngine
 
 from .chat_completions import answer_chat
 from .completions import answer_completions
+from .embeddings import answer_embeddings
 from .errors import APIError, error_response
 from .generate import run_generate
 from .openai_protocol import (
@@ -43,6 +45,7 @@ from .openai_protocol import (
     CompletionRequest,
     DecodeRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     EncodeRequest,
     GenerateRequest,
     TokenizeRequest,
@@ -200,18 +203,29 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         server.check_auth(request)
         server.check_model(body.model)
+        server.check_generating()
         return await answer_chat(request, server, server.ready_engine(), body)
 
     @app.post('/v1/completions')
     async def completions(request: Request, body: CompletionRequest):
         server.check_auth(request)
         server.check_model(body.model)
+        server.check_generating()
         return await answer_completions(request, server, server.ready_engine(), body)
 
     @app.post('/generate')  # LMDeploy's own
     async def generate(request: Request, body: GenerateRequest):
         server.check_auth(request)
+        server.check_generating()
         return await run_generate(request, server, server.ready_engine(), body)
+
+    # ---- embeddings ------------------------------------------------------------------------------
+
+    @app.post('/v1/embeddings')
+    async def embeddings(request: Request, body: EmbeddingRequest):
+        server.check_auth(request)
+        server.check_model(body.model)
+        return await answer_embeddings(server, server.ready_engine(), body)
 
     return app
 
@@ -249,10 +263,10 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
           tp: int = 1, dtype: str = 'auto', num_threads: int | None = None, device: str | None = None,
           int8_activations: bool = False, speculative_algorithm: str | None = None,
           speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None,
-          log_level: str = 'INFO') -> None:
+          task: str = 'generate', log_level: str = 'INFO') -> None:
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-    /v1/models, /generate, /v1/encode, /v1/decode, /tokenize, /detokenize, /tokenizer_info, /health,
-    /metrics (docs at /docs).
+    /v1/embeddings, /v1/models, /generate, /v1/encode, /v1/decode, /tokenize, /detokenize, /tokenizer_info,
+    /health, /metrics (docs at /docs).
 
     Args:
         model_path: an HF model directory, a .gguf file, an AWQ/W8A8 directory, or 'smollm2' (the default).
@@ -285,11 +299,14 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         speculative_algorithm: speculative decoding: ngram (drafts by prompt lookup) or draft_target.
         speculative_num_draft_tokens: tokens drafted per step (default 4).
         speculative_draft_model: the draft model, with draft_target.
+        task: generate (text; /v1/embeddings answers too), or embed (an embedding model: /v1/embeddings
+            only, pooled as its sentence-transformers files say, else last token, normalized).
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
     import uvicorn
 
     from lmd.backend import check_backend, command_engine_config, command_speculative_config
+    from lmd.embeddings import pooler_config_from_dir
     from lmd.messages import ChatTemplateConfig
     from lmd.model_path import prepare_model_dir
 
@@ -306,13 +323,16 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
                                                                 speculative_draft_model))
     config = command_engine_config(fields, backend, int8_activations)  # checked before the port opens
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
+    if task == 'embed':  # an embedder's pooling files are checked before the port opens
+        pooler = pooler_config_from_dir(model_dir)
+        logger.info('task embed: %s pooling, %snormalized', pooler.pooling_type, '' if pooler.normalize else 'not ')
     name = model_name or (os.path.basename(str(model_path).rstrip('/')) if model_path else 'smollm2')
     server_config = ServerConfig(model_name=name, api_keys=_as_tuple(api_keys),
                                  max_concurrent_requests=max_concurrent_requests, tool_call_parser=tool_call_parser,
                                  reasoning_parser=reasoning_parser, proxy_url=proxy_url,
                                  allow_origins=_as_tuple(allow_origins), allow_credentials=allow_credentials,
                                  allow_methods=_as_tuple(allow_methods), allow_headers=_as_tuple(allow_headers),
-                                 server_url=_own_url(server_name, server_port))
+                                 server_url=_own_url(server_name, server_port), task=task)
     server = Server(server_config, engine_factory=lambda: AsyncEngine(model_dir, backend=backend,
                                                                       backend_config=config,
                                                                       chat_template_config=template))

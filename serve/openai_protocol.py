@@ -295,3 +295,15 @@ class DecodeRequest(_Strict):
         if any(t < 0 for t in flat):
             raise ValueError('token ids are non-negative')
         return v
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's ``/v1/embeddings``: ``input`` a text, a list of texts, a list of token ids or a list of
+    such lists; ``encoding_format`` 'float' or 'base64' (little-endian float32, which OpenAI's client
+    asks for by default and decodes); ``dimensions`` where the model declares Matryoshka embeddings;
+    ``user`` accepted and ignored."""
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal['float', 'base64'] = 'float'
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None

@@ -1,8 +1,8 @@
 """lmd serve proxy: one OpenAI-compatible address in front of many lmd api_servers ("nodes").
 
 Nodes register with ``POST /nodes/add`` (an api_server started with ``--proxy-url`` does it
-itself) and leave with ``POST /nodes/remove``. The proxy routes ``/v1/chat/completions`` and
-``/v1/completions`` to a healthy node serving the request's ``model``, streams SSE answers
+itself) and leave with ``POST /nodes/remove``. The proxy routes ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/embeddings`` to a healthy node serving the request's ``model``, streams SSE answers
 through chunk by chunk, and lists the union of the healthy nodes' models at ``/v1/models``.
 
 The node table (registration, health, the routing strategies) is ``proxy_nodes.py``; this module
@@ -316,6 +316,10 @@ def build_app(routing_strategy: str = 'min_expected_latency', api_keys=None, hea
     @app.post('/v1/completions', dependencies=guard)
     async def completions(request: Request):
         return await state['relay'](request, '/v1/completions')
+
+    @app.post('/v1/embeddings', dependencies=guard)
+    async def embeddings(request: Request):
+        return await state['relay'](request, '/v1/embeddings')
 
     async def _json_object(request: Request) -> dict:
         try:

@@ -26,6 +26,8 @@ from .tool_parser import ToolParserManager, default_tool_parser
 
 logger = logging.getLogger('lmd.serve')
 
+TASKS = ('generate', 'embed')
+
 
 @dataclass
 class ServerConfig:
@@ -40,6 +42,11 @@ class ServerConfig:
     allow_methods: tuple[str, ...] = ('*',)
     allow_headers: tuple[str, ...] = ('*',)
     server_url: str | None = None  # how a proxy reaches this server
+    task: str = 'generate'  # 'embed': the model is an embedder, /v1/embeddings is its one model route
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f'task={self.task!r} is invalid: expected one of {", ".join(TASKS)}')
 
 
 class Server:
@@ -161,6 +168,13 @@ class Server:
                            code='invalid_api_key')
         if not any(secrets.compare_digest(key.strip(), k) for k in self.config.api_keys):
             raise APIError(401, 'incorrect API key', code='invalid_api_key')
+
+    def check_generating(self) -> None:
+        """A 400 on a generating route of a server whose model is an embedder (``--task embed``)."""
+        if self.config.task == 'embed':
+            raise APIError(400, f'this server runs {self.config.model_name!r} as an embedding model (--task embed): '
+                                'it answers POST /v1/embeddings, not text generation; start it with --task '
+                                'generate to generate', code='wrong_task')
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:

@@ -10,6 +10,8 @@ made outputs (``outputs_fd``): a request added with an event loop has that loop 
 (``loop.add_reader``), so the step's outputs reach the loop with one thread wake and no thread
 in between. Requests without a loop are served by a reader thread that waits on the same fd
 (without the GIL); it runs only while such requests are in flight, or while no loop watches.
+Speculative decoding (``speculative_config``, method 'ngram') runs inside the C++ engine, drafts
+and verification alike (turbomind/README.md); its counters come with ``stats()``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
                         SessionTable, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
-from lmd.messages import TurbomindEngineConfig
+from lmd.messages import SpeculativeConfig, TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import resolve_dtype
 from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
@@ -52,6 +54,10 @@ class TurbomindEngine(Engine):
         cfg = config or TurbomindEngineConfig()
         if cfg.tp != 1:
             raise ValueError(f'TurbomindEngineConfig.tp={cfg.tp} is invalid: TurboMind runs on one device (tp=1)')
+        spec = cfg.speculative_config
+        if spec is not None and spec.method != 'ngram':
+            raise ValueError(f'TurbomindEngineConfig.speculative_config.method={spec.method!r} is not supported by '
+                             "TurboMind yet: use method='ngram', or backend='pytorch' for a draft model")
         if cfg.device != 'cpu':
             raise ValueError(f"TurbomindEngineConfig.device={cfg.device!r} is invalid: this build of TurboMind has "
                              "CPU kernels only; use device='cpu'")
@@ -89,10 +95,11 @@ class TurbomindEngine(Engine):
         kernels.release_openmp_threads()
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
-                                     session_len, cfg.enable_prefix_caching, seed, window=mc.kv_window)
+                                     session_len, cfg.enable_prefix_caching, seed, window=mc.kv_window,
+                                     **_speculative_kwargs(spec))
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
-                                    model_format=self.model_format)
+                                    model_format=self.model_format, hidden_size=mc.hidden_size)
         self._sessions = SessionTable(mc.vocab_size, session_len)
         self._lock = threading.Lock()
         self._callbacks: dict[int, tuple[OutputCallback, asyncio.AbstractEventLoop | None]] = {}  # behind _lock
@@ -173,14 +180,22 @@ class TurbomindEngine(Engine):
     def get_logits(self, token_ids) -> torch.Tensor:
         """The Engine interface's scoring call: one forward on the calling thread, beside the engine's,
         over a twin of the model with a KV cache of its own (the weights shared), dropped after."""
-        ids = scored_token_ids(token_ids, self.model_info)
+        return self._run_alone(scored_token_ids(token_ids, self.model_info), 'forward')
+
+    def get_hidden_states(self, token_ids) -> torch.Tensor:
+        """The Engine interface's embedding call: as ``get_logits``, the final norm's output in place
+        of the logits (the C++ ``hidden_states``, the same pass without the head)."""
+        return self._run_alone(scored_token_ids(token_ids, self.model_info, 'get_hidden_states'), 'hidden_states')
+
+    def _run_alone(self, ids: list[int], method: str) -> torch.Tensor:
+        """``ids`` as one sequence through the twin model's ``method``, every row kept."""
         n, block_size = len(ids), self.model.block_size
         num_blocks = -(-n // block_size)
         scorer = self.model.with_own_cache(num_blocks)
         # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
         rows = torch.arange(n)
         tables = torch.arange(num_blocks, dtype=torch.int32).expand(n, -1).contiguous()
-        return scorer.forward(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
+        return getattr(scorer, method)(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
 
     def __enter__(self):
         return self
@@ -193,7 +208,7 @@ class TurbomindEngine(Engine):
     def _hand_over(self, batch: list, here: asyncio.AbstractEventLoop | None) -> None:
         """One take of outputs (``cpp.take_outputs``) to their callbacks; under ``_take_lock``."""
         outputs = []
-        for sid, token_ids, logprobs, finish, n_prompt, n_cached, n_context, kept, error in batch:
+        for sid, token_ids, logprobs, finish, n_prompt, n_cached, n_context, kept, error, prompt_lps in batch:
             if finish is not None:  # before the callback: its caller may send the next turn at once
                 self._sessions.finished(sid, n_context if kept else None)
                 with self._lock:
@@ -206,7 +221,8 @@ class TurbomindEngine(Engine):
                 continue
             outputs.append((callback, loop, EngineOutput(
                 session_id=sid, token_ids=token_ids, logprobs=None if logprobs is None else tuple(logprobs),
-                finish_reason=finish, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached, error=error)))
+                finish_reason=finish, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached, error=error,
+                prompt_logprobs=None if prompt_lps is None else tuple(prompt_lps))))
         deliver(outputs, here)
 
     def _take(self, here: asyncio.AbstractEventLoop | None = None) -> None:
@@ -249,6 +265,14 @@ class TurbomindEngine(Engine):
                 if closed or (self._num_threaded == 0 and self._watcher is not None):
                     self._reader = None
                     return
+
+
+def _speculative_kwargs(spec: SpeculativeConfig | None) -> dict:
+    """The C++ engine's speculative-decoding settings (n-gram prompt lookup; none: off)."""
+    if spec is None:
+        return {}
+    return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,
+                prompt_lookup_max=spec.prompt_lookup_max)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -174,3 +174,11 @@ class TurbomindModel:
         self.cpp.forward(to_dlpack(token_ids), to_dlpack(positions), to_dlpack(slots), to_dlpack(row_tables),
                          to_dlpack(row_lens), to_dlpack(logit_rows), to_dlpack(logits))
         return logits
+
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the head: float32 [R, hidden_size], the final norm's output of logit_rows."""
+        hidden = torch.empty((logit_rows.numel(), self.config.hidden_size), dtype=torch.float32)
+        self.cpp.hidden_states(to_dlpack(token_ids), to_dlpack(positions), to_dlpack(slots), to_dlpack(row_tables),
+                               to_dlpack(row_lens), to_dlpack(logit_rows), to_dlpack(hidden))
+        return hidden

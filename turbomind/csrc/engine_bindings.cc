@@ -107,6 +107,12 @@ void bind_block_manager(py::module_ & m) {
              },
              py::arg("seq"))
         .def("cache_full_blocks", &BlockManager::cache_full_blocks, py::arg("seq"))
+        .def("rollback",
+             [](BlockManager & bm, BlockSequence & seq, int64_t num_tokens) {
+                 if (num_tokens < 0) fail("rollback: num_tokens must be >= 0, got " + std::to_string(num_tokens));
+                 bm.rollback(seq, num_tokens);
+             },
+             py::arg("seq"), py::arg("num_tokens"), "give back the blocks past those num_tokens tokens need")
         .def("release_outside_window", &BlockManager::release_outside_window, py::arg("seq"))
         .def("check_invariants",
              [](const BlockManager & bm, py::object seqs) {
@@ -208,6 +214,12 @@ SamplingParams params_of(py::handle obj) {
         const int64_t k = int_field(obj, "logprobs", 0);
         if (k < 0 || k > 20) fail("SamplingParams.logprobs: must be in [0, 20], got " + std::to_string(k));
         p.logprobs = (int32_t) k;
+    }
+    py::object plp = field_of(obj, "prompt_logprobs");
+    if (!plp.is_none()) {
+        const int64_t k = int_field(obj, "prompt_logprobs", 0);
+        if (k < 0 || k > 20) fail("SamplingParams.prompt_logprobs: must be in [0, 20], got " + std::to_string(k));
+        p.prompt_logprobs = (int32_t) k;
     }
     const std::string err = sampling_params_check(p);
     if (!err.empty()) fail("SamplingParams." + err);
@@ -397,7 +409,11 @@ void bind_scheduler(py::module_ & m) {
         .def_readonly("num_cached_tokens", &Sequence::num_cached_tokens)
         .def_readonly("is_admitted", &Sequence::is_admitted)
         .def_readonly("num_preemptions", &Sequence::num_preemptions)
+        .def_readwrite("skip_reading_prefix_cache", &Sequence::skip_reading_prefix_cache,
+                       "admitted without a prefix-cache match (the engine sets it while prompt logprobs are read)")
         .def_property_readonly("status", [](const Sequence & s) { return status_name(s.status); })
+        .def_readwrite("draft_token_ids", &Sequence::draft_token_ids,
+                       "speculative decoding: tokens drafted to follow the context in the next step (schedule may cut them)")
         .def("append_token", [](Sequence & s, int32_t t) { s.blocks.token_ids.push_back(t); }, py::arg("token_id"))
         .def("start_turn", &Sequence::start_turn, py::arg("token_ids"),
              "an interactive session's next turn: its prompt follows the kept history");
@@ -447,6 +463,20 @@ void bind_scheduler(py::module_ & m) {
              py::arg("seq"))
         .def("schedule", [](PyScheduler & p) { return p.scheduler.schedule(); })
         .def("update", [](PyScheduler & p, const SchedulerOutput & out) { p.scheduler.update(out); }, py::arg("out"))
+        .def("accept_draft",
+             [](PyScheduler & p, py::object obj, int64_t num_accepted) {
+                 p.scheduler.accept_draft(&p.of(obj, "accept_draft"), num_accepted);
+             },
+             py::arg("seq"), py::arg("num_accepted"),
+             "after update: the first num_accepted drafts (already appended to the context) count as computed; the "
+             "blocks of the rest go back")
+        .def("check_invariants",
+             [](const PyScheduler & p) {
+                 const std::string err = p.scheduler.check_invariants();
+                 if (!err.empty()) assert_fail(err);
+             },
+             "AssertionError unless every sequence holds exactly the blocks its computed tokens need and the block "
+             "manager's invariants hold over them")
         .def("finish",
              [](PyScheduler & p, py::object obj, bool keep) {
                  Sequence & seq = p.of(obj, "finish");

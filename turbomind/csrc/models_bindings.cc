@@ -32,13 +32,16 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
     return result.release();
 }
 
+// One step into out: logits [R, vocab] or, with hidden, the final norm's output [R, hidden_size]
+// (LlamaModel::hidden_states).
 void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle slots_h, py::handle tables_h,
-             py::handle lens_h, py::handle rows_h, py::handle logits_h) {
+             py::handle lens_h, py::handle rows_h, py::handle out_h, bool hidden) {
     const LlamaModel & m = *self.model;
     const TensorView ids = view_of(ids_h, "token_ids"), pos = view_of(pos_h, "positions");
     const TensorView slots = view_of(slots_h, "slots"), tables = view_of(tables_h, "row_tables");
     const TensorView lens = view_of(lens_h, "row_lens"), rows = view_of(rows_h, "logit_rows");
-    const TensorView logits = view_of(logits_h, "logits");
+    const char * out_name = hidden ? "hidden" : "logits";
+    const TensorView out = view_of(out_h, out_name);
     const int64_t T = ids.numel();
     auto vec = [&](const TensorView & v, const char * name, DType dt, int64_t n) {
         expect(v.ndim == 1 && v.contiguous() && v.dtype == dt && v.size(0) == n, name, v,
@@ -52,8 +55,9 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
     vec(rows, "logit_rows", DType::i64, R);
     expect(tables.ndim == 2 && tables.contiguous() && tables.dtype == DType::i32 && tables.size(0) == T, "row_tables",
            tables, "expected a contiguous int32 [T, max_blocks]");
-    expect(logits.ndim == 2 && logits.contiguous() && logits.dtype == DType::f32 && logits.size(0) == R &&
-           logits.size(1) == m.config().vocab_size, "logits", logits, "expected a contiguous float32 [R, vocab]");
+    expect(out.ndim == 2 && out.contiguous() && out.dtype == DType::f32 && out.size(0) == R &&
+           out.size(1) == (hidden ? m.config().hidden_size : m.config().vocab_size), out_name, out,
+           hidden ? "expected a contiguous float32 [R, hidden_size]" : "expected a contiguous float32 [R, vocab]");
     const int64_t num_slots = m.num_blocks() * m.block_size(), max_blocks = tables.size(1);
     for (int64_t t = 0; t < T; ++t) {  // bad ids and tables are errors, never wild reads or writes
         const int64_t id = ids.ptr<int64_t>()[t], s = slots.ptr<int64_t>()[t];
@@ -86,7 +90,11 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
     in.max_blocks = max_blocks;
     in.num_logit_rows = R;
     py::gil_scoped_release release;
-    self.model->forward(in, logits.ptr<float>());
+    if (hidden) {
+        self.model->hidden_states(in, out.ptr<float>());
+    } else {
+        self.model->forward(in, out.ptr<float>());
+    }
 }
 
 // A request's lmd.guided.TokenConstraint, held by the engine. Dropped with the GIL, from whichever
@@ -158,26 +166,37 @@ const char * finish_name(Finish f) {
     return nullptr;
 }
 
+py::dict logprob_dict(const std::vector<TokenLogprob> & alts) {
+    py::dict d;
+    for (const TokenLogprob & t : alts) d[py::int_(t.token_id)] = t.logprob;
+    return d;
+}
+
 // Outputs as the Python side reads them: tuples (session_id, token_ids, logprobs, finish_reason,
-// num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error), oldest first.
+// num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error, prompt_logprobs), oldest
+// first; prompt_logprobs None, or [None, {token: logprob, ...}, ...] one per prompt token.
 py::list output_tuples(std::vector<Output> & outs) {
     py::list result;
     for (Output & o : outs) {
         py::object lps = py::none();
         if (!o.logprobs.empty()) {
             py::list per_token;
-            for (auto & alts : o.logprobs) {
-                py::dict d;
-                for (const TokenLogprob & t : alts) d[py::int_(t.token_id)] = t.logprob;
-                per_token.append(d);
-            }
+            for (auto & alts : o.logprobs) per_token.append(logprob_dict(alts));
             lps = per_token;
+        }
+        py::object prompt_lps = py::none();
+        if (o.has_prompt_logprobs) {
+            py::list per_token;
+            per_token.append(py::none());
+            for (auto & alts : o.prompt_logprobs) per_token.append(logprob_dict(alts));
+            prompt_lps = per_token;
         }
         const char * fin = finish_name(o.finish);
         result.append(py::make_tuple(o.session_id, py::tuple(py::cast(o.token_ids)), lps,
                                      fin ? py::object(py::str(fin)) : py::object(py::none()),
                                      o.num_prompt_tokens, o.num_cached_tokens, o.num_context_tokens,
-                                     o.kept, o.error.empty() ? py::object(py::none()) : py::object(py::str(o.error))));
+                                     o.kept, o.error.empty() ? py::object(py::none()) : py::object(py::str(o.error)),
+                                     prompt_lps));
     }
     return result;
 }
@@ -205,10 +224,20 @@ void bind_models(py::module_ & m) {
              "(ops.pack_linear), or as <name>.qweight/.scales[/.mins] (W4A16, W8A16, W8A8: lmd.turbomind.quant; <name>.perm: over x[:, perm]), "
              "or in parts <name>.part.<i>.* (rows: <name>.part_rows); without embed, the embedding is the "
              "packed lm_head (tied).")
-        .def("forward", &forward, py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
+        .def("forward",
+             [](PyLlamaModel & self, py::handle ids, py::handle pos, py::handle slots, py::handle tables, py::handle lens,
+                py::handle rows, py::handle logits) { forward(self, ids, pos, slots, tables, lens, rows, logits, false); },
+             py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
              py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),
              "Run one step: every row's K/V into its slot, attention over row_lens[t] tokens of row_tables[t]; "
              "logits[R, vocab] (float32) for logit_rows.")
+        .def("hidden_states",
+             [](PyLlamaModel & self, py::handle ids, py::handle pos, py::handle slots, py::handle tables, py::handle lens,
+                py::handle rows, py::handle hidden) { forward(self, ids, pos, slots, tables, lens, rows, hidden, true); },
+             py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
+             py::arg("row_lens"), py::arg("logit_rows"), py::arg("hidden"),
+             "forward without the head: hidden[R, hidden_size] (float32), the final norm's output for logit_rows "
+             "(what an embedder pools).")
         .def_property_readonly("num_blocks", [](const PyLlamaModel & s) { return s.model->num_blocks(); })
         .def_property_readonly("block_size", [](const PyLlamaModel & s) { return s.model->block_size(); })
         .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); })
@@ -216,11 +245,17 @@ void bind_models(py::module_ & m) {
 
     py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
         .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,
-                         bool enable_prefix_caching, uint64_t sampler_seed, int64_t window) {
+                         bool enable_prefix_caching, uint64_t sampler_seed, int64_t window, int32_t num_speculative_tokens,
+                         int32_t prompt_lookup_min, int32_t prompt_lookup_max) {
                  PyLlamaModel & pm = model.cast<PyLlamaModel &>();
                  if (max_batch_size < 1 || max_num_batched_tokens < 1 || session_len < 2 || window < 0) {
                      fail("Engine: max_batch_size and max_num_batched_tokens must be >= 1, session_len >= 2, "
                           "window >= 0");
+                 }
+                 if (num_speculative_tokens < 0 || prompt_lookup_min < 1 || prompt_lookup_max < prompt_lookup_min) {
+                     fail("Engine: num_speculative_tokens must be >= 0 and 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                          "got " + std::to_string(num_speculative_tokens) + ", " + std::to_string(prompt_lookup_min) +
+                          ", " + std::to_string(prompt_lookup_max));
                  }
                  EngineConfig c;
                  c.max_batch_size = max_batch_size;
@@ -231,12 +266,18 @@ void bind_models(py::module_ & m) {
                  c.enable_prefix_caching = enable_prefix_caching;
                  c.sampler_seed = sampler_seed;
                  c.window = window;
+                 c.num_speculative_tokens = num_speculative_tokens;
+                 c.prompt_lookup_min = prompt_lookup_min;
+                 c.prompt_lookup_max = prompt_lookup_max;
                  auto e = new PyEngine{model, nullptr};
                  e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>());
                  return e;
              }),
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
-             py::arg("enable_prefix_caching"), py::arg("sampler_seed"), py::arg("window") = 0)
+             py::arg("enable_prefix_caching"), py::arg("sampler_seed"), py::arg("window") = 0,
+             py::arg("num_speculative_tokens") = 0, py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4,
+             "num_speculative_tokens > 0: speculative decoding, each decoding sequence drafts up to that many tokens "
+             "a step by n-gram prompt lookup (prompt_lookup_max down to prompt_lookup_min tokens matched)")
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
                        py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint) {
                  Request r;
@@ -276,7 +317,8 @@ void bind_models(py::module_ & m) {
              },
              py::arg("timeout_s"),
              "Outputs since the last call, oldest first, as tuples (session_id, token_ids, logprobs, finish_reason, "
-             "num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error); waits up to timeout_s for one.")
+             "num_prompt_tokens, num_cached_tokens, num_context_tokens, kept, error, prompt_logprobs); waits up to "
+             "timeout_s for one.")
         .def("take_outputs", [](PyEngine & self) {
                  std::vector<Output> outs = self.engine->take_outputs();
                  return output_tuples(outs);
@@ -297,8 +339,17 @@ void bind_models(py::module_ & m) {
                  d["num_preemptions"] = s.num_preemptions;
                  d["num_prompt_tokens"] = s.num_prompt_tokens;
                  d["num_generated_tokens"] = s.num_generated_tokens;
+                 d["spec_num_drafts"] = s.spec_num_drafts;
+                 d["spec_num_draft_tokens"] = s.spec_num_draft_tokens;
+                 d["spec_num_accepted_tokens"] = s.spec_num_accepted_tokens;
                  return d;
              })
+        .def("set_check_blocks", [](PyEngine & self, bool on) { self.engine->set_check_blocks(on); }, py::arg("on"),
+             "test hook: check the KV blocks' accounting after every step (blocks_error holds the first violation)")
+        .def_property_readonly("blocks_error", [](PyEngine & self) -> py::object {
+                 std::string err = self.engine->blocks_error();
+                 return err.empty() ? py::object(py::none()) : py::object(py::str(err));
+             }, "None, or the first broken block accounting seen since set_check_blocks(True)")
         .def("close", [](PyEngine & self) {
                  py::gil_scoped_release release;
                  self.engine->close();

@@ -136,6 +136,21 @@ bool BlockManager::free(BlockSequence & seq) {
     return true;
 }
 
+bool BlockManager::allocate_free(BlockSequence & seq, int64_t num_tokens) {
+    const int64_t num_new = blocks_needed(num_tokens) - (int64_t) seq.block_ids.size();
+    if (num_new > num_free_blocks()) return false;
+    return allocate(seq, num_tokens);
+}
+
+void BlockManager::rollback(BlockSequence & seq, int64_t num_tokens) {
+    const size_t keep = static_cast<size_t>(std::max<int64_t>(0, blocks_needed(num_tokens)));
+    while (seq.block_ids.size() > keep) {
+        if (seq.block_ids.back() != kReleased) drop(seq.block_ids.back());
+        seq.block_ids.pop_back();
+    }
+    if (seq.block_hashes.size() > keep) seq.block_hashes.resize(keep);
+}
+
 void BlockManager::drop(int32_t b) {
     if (--ref_counts_[b] == 0) {
         if (has_key_[b]) {

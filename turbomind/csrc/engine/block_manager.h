@@ -109,6 +109,15 @@ public:
     // block more often than it is referenced (a double free: a bug in the caller).
     bool free(BlockSequence & seq);
 
+    // allocate without a prefix, from free blocks only: false (and no change) where it would evict a
+    // cached one (speculative decoding's drafts, likely given back at once, spare the prefix cache).
+    bool allocate_free(BlockSequence & seq, int64_t num_tokens);
+
+    // Give back seq's blocks past the ones its first num_tokens tokens need, last first (speculative
+    // decoding: the blocks rejected drafts took). They hold no registered content: only computed
+    // tokens' full blocks are keyed.
+    void rollback(BlockSequence & seq, int64_t num_tokens);
+
     // Register seq's blocks that are full and computed (num_computed_tokens) in the prefix cache.
     void cache_full_blocks(BlockSequence & seq);
 

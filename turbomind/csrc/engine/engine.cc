@@ -5,6 +5,8 @@
 #include <exception>
 #include <stdexcept>
 
+#include "cpu/ngram.h"
+
 namespace turbomind {
 
 Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
@@ -83,6 +85,11 @@ bool Engine::closed() const {
     return stopped_;
 }
 
+std::string Engine::blocks_error() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return blocks_error_;
+}
+
 // ---- the engine thread --------------------------------------------------------------------------
 
 void Engine::loop() {
@@ -108,6 +115,11 @@ void Engine::loop() {
                 // a failed step fails its requests; the loop goes on for everyone else
                 std::vector<Sequence *> running = scheduler_.running();
                 for (Sequence * seq : running) finish(of(seq), Finish::error, {}, {}, e.what());
+            }
+            if (check_blocks_ && blocks_error_.empty()) {
+                std::string err = scheduler_.check_invariants();
+                std::lock_guard<std::mutex> lock(mutex_);
+                blocks_error_ = std::move(err);
             }
         }
         update_stats();
@@ -190,24 +202,161 @@ void Engine::on_add(Request & r) {
     seq->constraint = std::move(r.constraint);
     seq->sampling_state->constrained = seq->constraint != nullptr;
     seq->sequence_end = r.sequence_end;
-    if (seq->max_new_tokens == 0) finish(seq, Finish::length);
+    // prompt logprobs are read from the request's own prefill: no prefix hit for it
+    seq->wants_prompt_logprobs = seq->sampling.prompt_logprobs >= 0;
+    seq->skip_reading_prefix_cache = seq->wants_prompt_logprobs;
+    seq->prompt_logprobs.clear();
+    // with prompt logprobs it is prefilled first (step)
+    if (seq->max_new_tokens == 0 && !seq->wants_prompt_logprobs) finish(seq, Finish::length);
 }
 
 // ---- one step -----------------------------------------------------------------------------------
 
 // False when nothing could run (the queue's head waits for blocks).
 bool Engine::step() {
+    propose_drafts();
     SchedulerOutput out = scheduler_.schedule();
     for (auto & [seq, why] : out.failed) {
         finish(of(seq), Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + why);
     }
     if (out.empty()) return !out.failed.empty();
-    const StepInputs & in = batch_.build(out, config_.block_size);
+    for (Sequence * seq : out.seqs) {  // the drafts as scheduled
+        spec_num_drafts_ += !seq->draft_token_ids.empty();
+        spec_num_draft_tokens_ += static_cast<int64_t>(seq->draft_token_ids.size());
+    }
+    seq_rows_.resize(out.seqs.size());
+    for (size_t i = 0; i < out.seqs.size(); ++i) {
+        const EngineSequence * seq = of(out.seqs[i]);
+        seq_rows_[i].samples = seq->max_new_tokens > 0;
+        seq_rows_[i].prompt_logprobs_from = seq->wants_prompt_logprobs ? (int64_t) seq->prompt_logprobs.size() : -1;
+    }
+    const StepInputs & in = batch_.build(out, config_.block_size, &seq_rows_);
     if (!forward(in, out)) return true;
     scheduler_.update(out);
-    sample(batch_.sampled());
-    emit_tokens(batch_.sampled());
+    read_prompt_logprobs(out);
+    for (Sequence * s : out.seqs) {  // a prefill-only request is done once its prompt is in
+        EngineSequence * seq = of(s);
+        if (seq->max_new_tokens == 0 && seq->blocks.num_computed_tokens == seq->num_tokens()) {
+            finish(seq, Finish::length);
+        }
+    }
+    verify(batch_.sampled());
     return true;
+}
+
+// Before scheduling (speculative decoding): each decoding sequence's draft, prompt lookup in its
+// own context, no longer than its limits leave (all of it accepted, it ends exactly at a limit).
+void Engine::propose_drafts() {
+    if (config_.num_speculative_tokens <= 0) return;
+    for (Sequence * s : scheduler_.running()) {
+        EngineSequence * seq = of(s);
+        const int64_t n = seq->num_tokens();
+        if (n - seq->blocks.num_computed_tokens != 1) continue;  // still prefilling
+        const int64_t k = std::min({static_cast<int64_t>(config_.num_speculative_tokens),
+                                    seq->max_new_tokens - seq->num_generated_tokens() - 1,
+                                    config_.session_len - n - 1});
+        if (k <= 0) continue;
+        seq->draft_token_ids = lmd::cpu::ngram_propose(seq->blocks.token_ids.data(), n, config_.prompt_lookup_min,
+                                                       config_.prompt_lookup_max, static_cast<int>(k));
+    }
+}
+
+// The sampled sequences' tokens, in rounds: round 0 takes each one's next token from its first
+// row (batch order: the first rows of logits_); round j the token after draft j - 1, from that
+// draft's row, for those whose tokens so far were their drafts. A round samples all its rows in
+// one call (the grammars asked once). Then each sequence commits its draft and its step's tokens
+// go out together.
+void Engine::verify(const std::vector<Sequence *> & sampled) {
+    const int64_t vocab = model_->config().vocab_size;
+    std::vector<Sequence *> rows(sampled), next, settled;
+    std::vector<int64_t> draft_rows(batch_.draft_rows()), next_draft_rows;  // per row: its first draft's row
+    const float * logits = logits_.data();
+    for (size_t j = 0; !rows.empty(); ++j) {
+        sample(rows, logits);
+        emit_tokens(rows);
+        next.clear();
+        next_draft_rows.clear();
+        for (size_t i = 0; i < rows.size(); ++i) {
+            if (!going_[i]) continue;  // its turn ended (finish): it is gone
+            EngineSequence * seq = of(rows[i]);
+            const std::vector<int32_t> & draft = seq->draft_token_ids;
+            if (j < draft.size() && sampled_ids_[i] == draft[j]) {
+                ++seq->num_accepted_drafts;
+                next.push_back(seq);
+                next_draft_rows.push_back(draft_rows[i]);
+            } else {
+                settled.push_back(seq);
+            }
+        }
+        rows.swap(next);
+        draft_rows.swap(next_draft_rows);
+        draft_logits_.resize(rows.size() * vocab);
+        for (size_t i = 0; i < rows.size(); ++i) {  // round j + 1 reads the row after draft j
+            const float * row = logits_.data() + (draft_rows[i] + static_cast<int64_t>(j)) * vocab;
+            std::copy(row, row + vocab, draft_logits_.data() + i * vocab);
+        }
+        logits = draft_logits_.data();
+    }
+    for (Sequence * s : settled) {
+        EngineSequence * seq = of(s);
+        commit_draft(seq);
+        emit_step_tokens(seq);
+    }
+}
+
+// A drafted sequence's accepted drafts count as computed, the blocks of the rest go back.
+void Engine::commit_draft(EngineSequence * seq) {
+    if (seq->draft_token_ids.empty()) return;
+    spec_num_accepted_tokens_ += seq->num_accepted_drafts;
+    scheduler_.accept_draft(seq, seq->num_accepted_drafts);
+    seq->num_accepted_drafts = 0;
+}
+
+// A sequence's tokens of this step in one output (with its prompt logprobs, the first time).
+void Engine::emit_step_tokens(EngineSequence * seq) {
+    if (seq->step_token_ids.empty()) return;
+    Output o;
+    o.session_id = seq->session_id;
+    o.token_ids = std::move(seq->step_token_ids);
+    o.logprobs = std::move(seq->step_logprobs);
+    seq->step_token_ids.clear();
+    seq->step_logprobs.clear();
+    o.num_prompt_tokens = seq->num_prompt_tokens;
+    o.num_cached_tokens = seq->num_cached_tokens;
+    take_prompt_logprobs(seq, o);
+    emit(std::move(o));
+}
+
+// The step's prompt rows (after the sampled rows in logits_) into their sequences' prompt logprobs.
+void Engine::read_prompt_logprobs(const SchedulerOutput & out) {
+    const int64_t vocab = model_->config().vocab_size;
+    std::vector<int32_t> tokens;
+    for (const PromptRows & pr : batch_.prompt_rows()) {
+        EngineSequence * seq = of(out.seqs[pr.seq]);
+        std::vector<std::vector<TokenLogprob>> & lps = seq->prompt_logprobs;
+        if (pr.first_position != (int64_t) lps.size()) {  // a bug: fails the step (loop)
+            throw std::logic_error("session " + std::to_string(seq->session_id) + ": prompt rows " +
+                                   std::to_string(lps.size()) + ".." + std::to_string(pr.first_position) +
+                                   " were never computed (a prefix hit on a request that wants prompt logprobs?)");
+        }
+        const int32_t * next = seq->blocks.token_ids.data() + pr.first_position + 1;
+        tokens.assign(next, next + pr.num_rows);
+        lps.resize(lps.size() + pr.num_rows);
+        Sampler::token_logprobs(logits_.data() + pr.first_logit_row * vocab, pr.num_rows, vocab, vocab, tokens.data(),
+                                seq->sampling.prompt_logprobs, lps.data() + pr.first_position);
+        if ((int64_t) lps.size() == seq->num_prompt_tokens - 1) {
+            seq->skip_reading_prefix_cache = false;  // all read: the cache may serve a recompute again
+        }
+    }
+}
+
+// The prompt logprobs go out once, with the request's first output after they are all read.
+void Engine::take_prompt_logprobs(EngineSequence * seq, Output & o) {
+    if (!seq->wants_prompt_logprobs || (int64_t) seq->prompt_logprobs.size() < seq->num_prompt_tokens - 1) return;
+    o.has_prompt_logprobs = true;
+    o.prompt_logprobs = std::move(seq->prompt_logprobs);
+    seq->prompt_logprobs.clear();
+    seq->wants_prompt_logprobs = false;
 }
 
 // Runs the model into logits_; a failure fails the step's sequences (false).
@@ -222,11 +371,11 @@ bool Engine::forward(const StepInputs & in, const SchedulerOutput & out) {
     return true;
 }
 
-// Each row's next token from its logits (rows[i]: row i of logits_), and what that token means
+// Each row's next token from its logits (rows[i]: row i of logits), and what that token means
 // for it: stops_[i] (a stop token ends the turn), row_errors_[i] (its grammar failed). The
 // constrained rows' grammars are asked for bitmasks before and take their tokens after, each
 // time in one call for all of them.
-void Engine::sample(const std::vector<Sequence *> & rows) {
+void Engine::sample(const std::vector<Sequence *> & rows, const float * logits) {
     const size_t n = rows.size();
     const int64_t vocab = model_->config().vocab_size;
     row_errors_.assign(n, std::string());
@@ -255,7 +404,7 @@ void Engine::sample(const std::vector<Sequence *> & rows) {
             row_errors_[con_rows[j]] = std::move(errors[j]);
         }
     }
-    sampler_.sample(logits_.data(), static_cast<int64_t>(n), vocab, vocab, states.data(), sampled_ids_.data(),
+    sampler_.sample(logits, static_cast<int64_t>(n), vocab, vocab, states.data(), sampled_ids_.data(),
                     &sampled_logprobs_, masks.empty() ? nullptr : masks.data());
 
     std::vector<Constraint *> accepting;
@@ -282,8 +431,10 @@ void Engine::sample(const std::vector<Sequence *> & rows) {
     }
 }
 
-// Each sampled row's token joins its context and goes out, or ends its turn.
+// Each sampled row's token joins its context (going_[i]; out with the step's other tokens,
+// emit_step_tokens), or ends its turn.
 void Engine::emit_tokens(const std::vector<Sequence *> & rows) {
+    going_.assign(rows.size(), 0);
     for (size_t i = 0; i < rows.size(); ++i) {
         EngineSequence * seq = of(rows[i]);
         const SamplingParams & sp = seq->sampling;
@@ -306,19 +457,13 @@ void Engine::emit_tokens(const std::vector<Sequence *> & rows) {
         seq->blocks.token_ids.push_back(token);
         seq->sampling_state->append(token);
         ++num_generated_tokens_;
-        std::vector<std::vector<TokenLogprob>> lps;
-        if (sp.logprobs >= 0) lps.push_back(std::move(sampled_logprobs_[i]));
+        seq->step_token_ids.push_back(token);
+        if (sp.logprobs >= 0) seq->step_logprobs.push_back(std::move(sampled_logprobs_[i]));
         if (seq->num_generated_tokens() >= seq->max_new_tokens || seq->num_tokens() >= config_.session_len) {
-            finish(seq, Finish::length, {token}, std::move(lps));
+            finish(seq, Finish::length);
             continue;
         }
-        Output o;
-        o.session_id = seq->session_id;
-        o.token_ids = {token};
-        o.logprobs = std::move(lps);
-        o.num_prompt_tokens = seq->num_prompt_tokens;
-        o.num_cached_tokens = seq->num_cached_tokens;
-        emit(std::move(o));
+        going_[i] = 1;
     }
 }
 
@@ -327,18 +472,22 @@ void Engine::emit_tokens(const std::vector<Sequence *> & rows) {
 void Engine::finish(EngineSequence * seq, Finish reason, std::vector<int32_t> tokens,
                     std::vector<std::vector<TokenLogprob>> lps, std::string error) {
     const bool keep = !seq->sequence_end && (reason == Finish::stop || reason == Finish::length || reason == Finish::abort);
+    commit_draft(seq);  // a kept session keeps what its accepted drafts computed
     scheduler_.finish(seq, keep);
     const int64_t sid = seq->session_id;
     Output o;
     o.session_id = sid;
-    o.token_ids = std::move(tokens);
-    o.logprobs = std::move(lps);
+    o.token_ids = std::move(seq->step_token_ids);  // this step's tokens before it ended
+    o.token_ids.insert(o.token_ids.end(), tokens.begin(), tokens.end());
+    o.logprobs = std::move(seq->step_logprobs);
+    for (auto & lp : lps) o.logprobs.push_back(std::move(lp));
     o.finish = reason;
     o.num_prompt_tokens = seq->num_prompt_tokens;
     o.num_cached_tokens = seq->num_cached_tokens;
     o.num_context_tokens = seq->num_tokens();
     o.kept = keep;
     o.error = std::move(error);
+    take_prompt_logprobs(seq, o);
     if (!keep) seqs_.erase(sid);  // seq is gone from here on
     if (reason != Finish::none) emit(std::move(o));
 }
@@ -365,6 +514,9 @@ void Engine::update_stats() {
     stats_.num_preemptions = scheduler_.num_preemptions();
     stats_.num_prompt_tokens = num_prompt_tokens_;
     stats_.num_generated_tokens = num_generated_tokens_;
+    stats_.spec_num_drafts = spec_num_drafts_;
+    stats_.spec_num_draft_tokens = spec_num_draft_tokens_;
+    stats_.spec_num_accepted_tokens = spec_num_accepted_tokens_;
 }
 
 }  // namespace turbomind

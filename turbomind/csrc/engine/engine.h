@@ -5,7 +5,7 @@
 // Split as llama.cpp splits its context: the Scheduler (engine/scheduler.h) decides which
 // sequences run and how many tokens each, the Batch (engine/batch.h) turns that into the model's
 // inputs, LlamaModel runs them, and the engine itself owns the threads, the inbox and outbox,
-// sampling and outputs. A step reads: schedule -> build -> forward -> sample -> emit.
+// sampling and outputs. A step reads: (propose drafts ->) schedule -> build -> forward -> sample -> emit.
 //
 // Structured output: a request may carry a Constraint (its grammar, owned by the layer above:
 // lmd.guided.TokenConstraint behind the binding). Each step the engine asks ConstraintOps for
@@ -13,8 +13,30 @@
 // and after sampling ConstraintOps::accept gets all their tokens at once; the binding takes the
 // GIL once for each of the two calls. Rows without a constraint cost nothing. The constraint
 // lives in the sequence, so preemption does not replay it.
+//
+// Prompt logprobs (SamplingParams::prompt_logprobs): the batch adds the prompt rows of such a
+// request to the step's logit rows, after the sampled ones, and the engine turns them into
+// logprobs (Sampler::token_logprobs) as its prefill runs, chunk by chunk; the request skips
+// reading the prefix cache until it has them all, and a recompute after preemption reads only the
+// rows it has not. They go out with its first output. max_new_tokens 0 with them: prefill only,
+// then Finish::length.
+//
+// Speculative decoding (EngineConfig::num_speculative_tokens > 0, n-gram prompt lookup: vLLM's
+// `ngram`): before scheduling, each decoding sequence drafts up to that many tokens from its own
+// context (lmd::cpu::ngram_propose), never past its max_new_tokens or session_len; the scheduler
+// gives it its next token's row and one row per draft, and the forward pass runs them as a
+// prefill chunk. Verification goes in rounds, every drafted sequence at once: round j samples the
+// token t_j from row j with the request's state after t_0 .. t_{j-1} (penalties, grammar, seed),
+// and t_j is handled as any generated token; the draft d_j is accepted and round j + 1 follows iff
+// t_j == d_j. For greedy rows this is the output without speculation, token for token; for
+// sampled rows it is rejection sampling against a one-hot draft (accepting d with probability p(d),
+// else drawing from p without d, is drawing t ~ p and accepting iff t == d), so the distribution
+// is the model's. The accepted drafts' K/V counts as computed; the rest is garbage that later
+// tokens overwrite, and the blocks it took are given back (Scheduler::accept_draft). The step's
+// tokens of a sequence go out in one output.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -70,6 +92,10 @@ struct Output {
     int64_t session_id = 0;
     std::vector<int32_t> token_ids;
     std::vector<std::vector<TokenLogprob>> logprobs;  // one per new token when asked for
+    // with has_prompt_logprobs (a request's first output, when asked for): prompt tokens 1.. each
+    // {the token's, alternatives'} (token 0 has none: nothing predicts it)
+    bool has_prompt_logprobs = false;
+    std::vector<std::vector<TokenLogprob>> prompt_logprobs;
     Finish finish = Finish::none;
     int64_t num_prompt_tokens = 0;   // context before generation (a session's history included)
     int64_t num_cached_tokens = 0;   // of those, served from the prefix cache or the kept session
@@ -87,6 +113,10 @@ struct EngineConfig {
     bool enable_prefix_caching = false;
     int64_t window = 0;         // > 0: every layer's sliding window (blocks before it are given back)
     uint64_t sampler_seed = 0;  // the stream of requests without a random_seed
+    // speculative decoding (n-gram prompt lookup): drafted tokens a step (0: off), and the n-gram
+    // lengths matched (prompt_lookup_max down to prompt_lookup_min)
+    int32_t num_speculative_tokens = 0;
+    int32_t prompt_lookup_min = 1, prompt_lookup_max = 4;
 };
 
 struct EngineStats {
@@ -94,6 +124,8 @@ struct EngineStats {
     int64_t num_total_blocks = 0, num_free_blocks = 0, num_cached_blocks = 0;
     int64_t num_prefix_hit_tokens = 0, num_prefix_query_tokens = 0;
     int64_t num_preemptions = 0, num_prompt_tokens = 0, num_generated_tokens = 0;
+    // speculative decoding, all time: drafted sequences, drafted tokens, drafted tokens accepted
+    int64_t spec_num_drafts = 0, spec_num_draft_tokens = 0, spec_num_accepted_tokens = 0;
 };
 
 class Engine {
@@ -119,6 +151,10 @@ public:
     // Pending requests finish with abort; the thread stops. Idempotent.
     void close();
     bool closed() const;
+    // Test hook: check the blocks' accounting after every step (Scheduler::check_invariants);
+    // blocks_error() is the first violation seen ("" if none).
+    void set_check_blocks(bool on) { check_blocks_ = on; }
+    std::string blocks_error() const;
 
 private:
     // A sequence as the engine holds it: the scheduler's fields and what sampling and outputs need.
@@ -128,6 +164,15 @@ private:
         std::unique_ptr<SamplingState> sampling_state;
         std::unique_ptr<Constraint> constraint;  // this turn's grammar, or null
         bool sequence_end = true;
+        // while sampling.prompt_logprobs >= 0 and not yet sent: the entries of prompt tokens 1.. read
+        // so far (position p's row scores token p + 1, so the next position to read is the size)
+        bool wants_prompt_logprobs = false;
+        std::vector<std::vector<TokenLogprob>> prompt_logprobs;
+        // within a step: its tokens so far and their logprobs (out together), and how many of its
+        // draft (Sequence::draft_token_ids) they confirmed
+        std::vector<int32_t> step_token_ids;
+        std::vector<std::vector<TokenLogprob>> step_logprobs;
+        int64_t num_accepted_drafts = 0;
     };
     // every sequence the scheduler holds is one of the engine's
     static EngineSequence * of(Sequence * seq) { return static_cast<EngineSequence *>(seq); }
@@ -146,8 +191,14 @@ private:
     // one step and its phases
     bool step();
     bool forward(const StepInputs & in, const SchedulerOutput & out);
-    void sample(const std::vector<Sequence *> & rows);
+    void propose_drafts();
+    void verify(const std::vector<Sequence *> & sampled);
+    void sample(const std::vector<Sequence *> & rows, const float * logits);
     void emit_tokens(const std::vector<Sequence *> & rows);
+    void commit_draft(EngineSequence * seq);
+    void emit_step_tokens(EngineSequence * seq);
+    void read_prompt_logprobs(const SchedulerOutput & out);
+    void take_prompt_logprobs(EngineSequence * seq, Output & o);
 
     void finish(EngineSequence * seq, Finish reason, std::vector<int32_t> tokens = {},
                 std::vector<std::vector<TokenLogprob>> lps = {}, std::string error = {});
@@ -165,11 +216,15 @@ private:
     // engine thread only
     std::unordered_map<int64_t, std::unique_ptr<EngineSequence>> seqs_;
     int64_t num_prompt_tokens_ = 0, num_generated_tokens_ = 0;
-    std::vector<float> logits_;  // [sampled rows, vocab] of the step
+    int64_t spec_num_drafts_ = 0, spec_num_draft_tokens_ = 0, spec_num_accepted_tokens_ = 0;
+    std::vector<float> logits_;  // [sampled rows, then prompt rows, then draft rows, vocab] of the step
+    std::vector<SeqRows> seq_rows_;  // per scheduled sequence of the step: what the batch reads of its rows
     // per sampled row of the step: its token, logprobs, whether it ends the turn, what failed
     std::vector<int32_t> sampled_ids_;
     std::vector<std::vector<TokenLogprob>> sampled_logprobs_;
     std::vector<uint8_t> stops_;
+    std::vector<uint8_t> going_;  // the row's token joined its context and its turn goes on
+    std::vector<float> draft_logits_;  // [rows, vocab]: a verification round's rows, gathered
     std::vector<std::string> row_errors_;
     std::vector<int32_t> bitmask_;  // [constrained rows, ceil(vocab / 32)] of the step
     std::vector<Output> pending_;  // outputs of this iteration, published by update_stats()
@@ -182,6 +237,8 @@ private:
     std::vector<Output> outbox_;
     bool closing_ = false, stopped_ = false;
     EngineStats stats_;
+    std::atomic<bool> check_blocks_{false};
+    std::string blocks_error_;
     std::thread thread_;
 };
 

@@ -308,6 +308,9 @@ std::string sampling_params_check(const SamplingParams & p) {
     if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
         return bad("frequency_penalty", p.frequency_penalty, "in [-2, 2]");
     }
+    if (!(p.prompt_logprobs >= -1 && p.prompt_logprobs <= 20)) {
+        return bad("prompt_logprobs", p.prompt_logprobs, "in [0, 20] (or none)");
+    }
     if (!(p.logprobs >= -1 && p.logprobs <= 20)) return bad("logprobs", p.logprobs, "in [0, 20] (or none)");
     return "";
 }
@@ -389,6 +392,18 @@ void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t
         if (logprobs && s.params.logprobs >= 0) {
             row_logprobs(raw, vocab, token_ids[i], s.params.logprobs, sc, (*logprobs)[i]);
         }
+    }
+}
+
+void Sampler::token_logprobs(const float * logits, int64_t n, int64_t vocab, int64_t row_stride,
+                             const int32_t * tokens, int64_t k, std::vector<TokenLogprob> * out) {
+    const bool parallel = n > 1 && n * vocab >= (1 << 15);
+    (void) parallel;
+#if defined(LMD_WITH_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+        row_logprobs(logits + i * row_stride, vocab, tokens[i], k, row_scratch(), out[i]);
     }
 }
 

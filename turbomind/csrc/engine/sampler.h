@@ -48,6 +48,9 @@ struct SamplingParams {
     std::vector<int32_t> stop_token_ids;  // masked until min_new_tokens are generated
     std::vector<int32_t> bad_token_ids;   // always masked
     int32_t logprobs = -1;                // -1: none; k in [0, 20]: the chosen token's and k alternatives'
+    // -1: none; k in [0, 20]: each prompt token's and k alternatives' (read by the engine from the
+    // prefill's rows, with token_logprobs below; the sampler itself never looks at it)
+    int32_t prompt_logprobs = -1;
 };
 
 // "" when p is valid, else "<field>: <what is wrong>" (the binding raises it as ValueError).
@@ -98,6 +101,12 @@ public:
     void sample(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
                 const SamplingState * const * states, int32_t * token_ids,
                 std::vector<std::vector<TokenLogprob>> * logprobs, const int32_t * const * bitmasks = nullptr);
+
+    // Logprobs of given tokens: out[i] = {tokens[i]'s, then the k best alternatives (tokens[i] not
+    // repeated)}, log_softmax of the raw row i (at logits + i * row_stride), the arithmetic of the
+    // sampled tokens' logprobs. The engine's prompt logprobs; rows run in parallel (OpenMP).
+    static void token_logprobs(const float * logits, int64_t n, int64_t vocab, int64_t row_stride,
+                               const int32_t * tokens, int64_t k, std::vector<TokenLogprob> * out);
 
     // ---- for tests and debugging (not the hot path)
 

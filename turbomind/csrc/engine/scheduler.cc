@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <string>
 
 namespace turbomind {
 
@@ -30,10 +31,15 @@ void Scheduler::resume(Sequence * seq) {
 //
 // Running sequences first, oldest first (a decode needs 1 token, a chunked prefill the rest of
 // its prompt); then waiting ones in FIFO order while the budget lasts. A sequence meets the
-// prefix cache when it is admitted. When blocks run out, idle sessions give theirs up first,
+// prefix cache when it is admitted (not one that skips reading it, skip_reading_prefix_cache: its
+// prompt logprobs need every row). When blocks run out, idle sessions give theirs up first,
 // then the newest running sequence is preempted: its blocks are freed and it goes back to the
 // front of the queue with nothing computed, to be recomputed (its generated tokens stay in its
 // context). A preemption ends admissions for this step.
+//
+// Speculative decoding: the running sequences' draft_token_ids follow their contexts in the step,
+// before any admission (as vLLM's spec tokens), with what budget and free blocks the running
+// sequences' own tokens leave (schedule_drafts); a running sequence not scheduled loses its draft.
 SchedulerOutput Scheduler::schedule() {
     SchedulerOutput out;
     int64_t budget = max_num_batched_tokens_;
@@ -64,6 +70,8 @@ SchedulerOutput Scheduler::schedule() {
         budget -= n;
         ++i;
     }
+    for (size_t j = i; j < running_.size(); ++j) running_[j]->draft_token_ids.clear();  // not scheduled
+    schedule_drafts(out, budget);
 
     while (!waiting_.empty() && out.preempted.empty() && budget > 0 &&
            static_cast<int64_t>(running_.size()) < max_batch_size_) {
@@ -81,7 +89,8 @@ SchedulerOutput Scheduler::schedule() {
         // a tentative admission: the prefix hit is written only once the blocks are had
         PrefixMatch prefix;
         int64_t num_computed = seq->blocks.num_computed_tokens;
-        if (seq->blocks.block_ids.empty()) {  // admission from scratch: look in the prefix cache
+        // admission from scratch: look in the prefix cache (unless the prompt's own rows are wanted)
+        if (seq->blocks.block_ids.empty() && !seq->skip_reading_prefix_cache) {
             prefix = blocks_.match_prefix(seq->blocks.token_ids);
             num_computed = prefix.num_cached_tokens;
         }
@@ -106,12 +115,44 @@ SchedulerOutput Scheduler::schedule() {
     return out;
 }
 
+// The drafts of the running sequences out schedules that catch up, oldest first: counted in the
+// budget and given blocks, cut to what the budget leaves, and to the slots their blocks hold
+// already when too few blocks are free (a draft, likely given back, never evicts a cached block
+// nor preempts).
+void Scheduler::schedule_drafts(SchedulerOutput & out, int64_t & budget) {
+    for (size_t s = 0; s < out.seqs.size(); ++s) {
+        Sequence * seq = out.seqs[s];
+        std::vector<int32_t> & draft = seq->draft_token_ids;
+        if (draft.empty()) continue;
+        BlockSequence & b = seq->blocks;
+        const int64_t end = b.num_computed_tokens + out.num_scheduled_tokens[s];
+        int64_t n = end == b.num_tokens() ? std::min(static_cast<int64_t>(draft.size()), budget) : 0;
+        if (n > 0 && !blocks_.allocate_free(b, end + n)) {
+            n = std::min<int64_t>(n, static_cast<int64_t>(b.block_ids.size()) * blocks_.block_size() - end);
+        }
+        draft.resize(static_cast<size_t>(n));
+        out.num_scheduled_tokens[s] += n;
+        budget -= n;
+    }
+}
+
 void Scheduler::update(const SchedulerOutput & out) {
     for (size_t i = 0; i < out.seqs.size(); ++i) {
-        out.seqs[i]->blocks.num_computed_tokens += out.num_scheduled_tokens[i];
-        blocks_.cache_full_blocks(out.seqs[i]->blocks);
-        blocks_.release_outside_window(out.seqs[i]->blocks);
+        BlockSequence & b = out.seqs[i]->blocks;
+        b.num_computed_tokens = std::min(b.num_computed_tokens + out.num_scheduled_tokens[i], b.num_tokens());
+        blocks_.cache_full_blocks(b);
+        blocks_.release_outside_window(b);
     }
+}
+
+void Scheduler::accept_draft(Sequence * seq, int64_t num_accepted) {
+    BlockSequence & b = seq->blocks;
+    num_accepted = std::clamp<int64_t>(num_accepted, 0, static_cast<int64_t>(seq->draft_token_ids.size()));
+    b.num_computed_tokens = std::min(b.num_computed_tokens + num_accepted, b.num_tokens());
+    seq->draft_token_ids.clear();
+    blocks_.rollback(b, b.num_computed_tokens);  // the rejected drafts' K/V is never read again
+    blocks_.cache_full_blocks(b);
+    blocks_.release_outside_window(b);
 }
 
 void Scheduler::finish(Sequence * seq, bool keep) {
@@ -131,6 +172,7 @@ void Scheduler::finish(Sequence * seq, bool keep) {
 }
 
 void Scheduler::preempt(Sequence * seq) {
+    seq->draft_token_ids.clear();
     blocks_.free(seq->blocks);
     seq->blocks.num_computed_tokens = 0;
     ++seq->num_preemptions;
@@ -162,6 +204,32 @@ bool Scheduler::release_kept(const Sequence * but) {
     blocks_.free(victim->blocks);
     victim->blocks.num_computed_tokens = 0;
     return true;
+}
+
+std::string Scheduler::check_invariants() const {
+    std::vector<const Sequence *> seqs(running_.begin(), running_.end());
+    seqs.insert(seqs.end(), waiting_.begin(), waiting_.end());
+    seqs.insert(seqs.end(), idle_.begin(), idle_.end());
+    std::vector<const BlockSequence *> held;
+    for (const Sequence * seq : seqs) {
+        const BlockSequence & b = seq->blocks;
+        const std::string who = "session " + std::to_string(seq->session_id);
+        if (!seq->draft_token_ids.empty()) return who + " keeps a draft between steps";
+        if (b.num_computed_tokens > b.num_tokens()) {
+            return who + " has " + std::to_string(b.num_computed_tokens) + " computed tokens of " +
+                   std::to_string(b.num_tokens());
+        }
+        const int64_t need = blocks_.blocks_needed(b.num_computed_tokens);
+        if (static_cast<int64_t>(b.block_ids.size()) != need) {
+            return who + " holds " + std::to_string(b.block_ids.size()) + " blocks for its " +
+                   std::to_string(b.num_computed_tokens) + " computed tokens, which need " + std::to_string(need);
+        }
+        if (static_cast<int64_t>(b.block_hashes.size()) > b.num_computed_tokens / blocks_.block_size()) {
+            return who + " has prefix keys past its computed full blocks";
+        }
+        held.push_back(&b);
+    }
+    return blocks_.check_invariants(&held);
 }
 
 }  // namespace turbomind

@@ -39,6 +39,10 @@ struct Sequence {
     SequenceStatus status = SequenceStatus::waiting;
     bool is_admitted = false;        // this turn was admitted once (num_cached_tokens is measured then)
     int64_t num_preemptions = 0;
+    bool skip_reading_prefix_cache = false;  // admitted without a prefix match (its prompt rows are wanted)
+    // speculative decoding: tokens drafted to follow the context, verified in this step with its
+    // next token (set by the engine before schedule(), which may cut them; none outside a step)
+    std::vector<int32_t> draft_token_ids;
 
     virtual ~Sequence() = default;
     int64_t num_tokens() const { return blocks.num_tokens(); }
@@ -78,13 +82,23 @@ public:
     void resume(Sequence * seq);
     // The next step's sequences and token counts (the rule is at the top of scheduler.cc).
     SchedulerOutput schedule();
-    // The step of out ran: its tokens are in the cache (full blocks join the prefix cache).
+    // The step of out ran: its tokens are in the cache (full blocks join the prefix cache). A
+    // drafted sequence's computed count stops at its context: its drafts wait for accept_draft.
     void update(const SchedulerOutput & out);
+    // Speculative decoding, after update(): the first num_accepted of seq's drafts were right and
+    // the engine has put them in its context; their K/V counts as computed, the blocks its
+    // rejected drafts took are given back, its drafts are cleared.
+    void accept_draft(Sequence * seq, int64_t num_accepted);
     // Take seq out of the queues; keep: an interactive session keeps its blocks, idle. Without
     // keep its blocks are freed and the scheduler forgets it.
     void finish(Sequence * seq, bool keep);
 
+    // "" when the blocks add up, else what is wrong: the block manager's invariants over every
+    // sequence holding blocks, and each holding exactly what its computed tokens need (between steps).
+    std::string check_invariants() const;
+
 private:
+    void schedule_drafts(SchedulerOutput & out, int64_t & budget);
     void preempt(Sequence * seq);
     bool release_kept(const Sequence * but);
 

@@ -154,6 +154,22 @@ int64_t LlamaModel::kv_bytes() const {
 
 void LlamaModel::forward(const StepInputs & in, float * logits) {
     const LlamaConfig & c = config_;
+    const int64_t R = in.num_logit_rows;
+    static thread_local Scratch b_out;
+    TensorView hidden = view(b_out.get(R * c.hidden_size * sizeof(float)), DType::f32, {R, c.hidden_size});
+    hidden_states(in, hidden.ptr<float>());
+    if (in.num_tokens == 0 || R == 0) return;
+    // the head, only for the rows whose logits are wanted
+    TensorView out = view(logits, DType::f32, {R, c.vocab_size});
+    apply(hidden, weights_.lm_head, out, c.int8_activations);
+    if (c.logit_softcap > 0.f) {
+        float * o = out.ptr<float>();
+        for (int64_t i = 0; i < R * c.vocab_size; ++i) o[i] = c.logit_softcap * std::tanh(o[i] / c.logit_softcap);
+    }
+}
+
+void LlamaModel::hidden_states(const StepInputs & in, float * hidden) {
+    const LlamaConfig & c = config_;
     const int64_t T = in.num_tokens, H = c.hidden_size, D = c.head_dim;
     const int64_t q_size = c.num_heads * D, qkv_size = (c.num_heads + 2 * c.num_kv_heads) * D;
     const int64_t I2 = 2 * c.intermediate_size;
@@ -162,7 +178,7 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
     const float scale = c.attn_scale > 0.f ? c.attn_scale : 1.0f / std::sqrt(static_cast<float>(D));
     if (T == 0) return;
 
-    static thread_local Scratch b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act, b_out;
+    static thread_local Scratch b_res, b_x, b_qkv, b_q, b_attn, b_delta, b_gu, b_act;
     TensorView residual = view(b_res.get(T * H * es), dtype_, {T, H});
     TensorView x = view(b_x.get(T * H * es), dtype_, {T, H});
     TensorView qkv = view(b_qkv.get(T * qkv_size * es), dtype_, {T, qkv_size});
@@ -265,20 +281,13 @@ void LlamaModel::forward(const StepInputs & in, float * logits) {
         }
         if (w.mlp_out_norm.data) cpu::rms_norm(delta, w.mlp_out_norm, eps, delta, nullptr);
     }
-    // the final norm and the head, only for the rows whose logits are wanted
+    // the final norm, only for the rows whose logits (or hidden states) are wanted
     const int64_t R = in.num_logit_rows;
     if (R == 0) return;
     cpu::rms_norm(delta, weights_.norm, eps, x, &residual);
-    TensorView hidden = view(b_out.get(R * H * sizeof(float)), DType::f32, {R, H});
     for (int64_t r = 0; r < R; ++r) {
         const int64_t row = in.logit_rows[r];
-        for (int64_t i = 0; i < H; ++i) hidden.ptr<float>()[r * H + i] = load_f32(x.data, row * H + i, dtype_);
-    }
-    TensorView out = view(logits, DType::f32, {R, c.vocab_size});
-    apply(hidden, weights_.lm_head, out, c.int8_activations);
-    if (c.logit_softcap > 0.f) {
-        float * o = out.ptr<float>();
-        for (int64_t i = 0; i < R * c.vocab_size; ++i) o[i] = c.logit_softcap * std::tanh(o[i] / c.logit_softcap);
+        for (int64_t i = 0; i < H; ++i) hidden[r * H + i] = load_f32(x.data, row * H + i, dtype_);
     }
 }
 

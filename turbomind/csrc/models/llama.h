@@ -139,6 +139,9 @@ public:
 
     // logits: [R, V] float32, written.
     void forward(const StepInputs & in, float * logits);
+    // The same pass without the head: hidden [R, H] float32, written with the final norm's output
+    // for the logit rows (what an embedder pools).
+    void hidden_states(const StepInputs & in, float * hidden);
 
     const LlamaConfig & config() const { return config_; }
     DType dtype() const { return dtype_; }
