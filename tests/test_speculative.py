@@ -228,3 +228,21 @@ def test_api_server_speculates_and_answers_as_without(smollm2_dir):
     assert got_json.choices[0].message.content == want_json.text
     # copying a sentence is what prompt lookup drafts well: most drafted tokens are taken
     assert drafted > 0 and accepted > 0.7 * drafted, (accepted, drafted)
+
+
+def test_stop_string_inside_a_drafted_step_ends_the_answer_there(smollm2_dir):
+    """TurboMind hands a verified step's tokens over in one output: the answer still ends at the token that
+    completes a stop string, its token ids and length as without speculation."""
+    from lmd import GenerationConfig, TurbomindEngineConfig, pipeline
+    msgs = [{'role': 'user', 'content': REWRITE}]
+    gen = GenerationConfig(max_new_tokens=48, stop_words=['lamp'])
+    answers = []
+    for spec in (None, NGRAM):
+        config = TurbomindEngineConfig(session_len=1024, speculative_config=spec)
+        with pipeline(smollm2_dir, backend='turbomind', backend_config=config) as pipe:
+            answers.append(pipe(msgs, gen))
+            stats = pipe.async_engine.stats()
+    want, got = answers
+    assert want.finish_reason == got.finish_reason == 'stop' and 'lamp' not in want.text
+    assert (got.text, got.token_ids, got.generate_token_len) == (want.text, want.token_ids, want.generate_token_len)
+    assert stats.spec_num_accepted_tokens > 0, stats
