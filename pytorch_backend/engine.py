@@ -131,7 +131,9 @@ class PytorchEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_size,
                                    cfg.max_prefill_token_num or session_len)
         self.sampler = Sampler()
-        self.proposer = build_proposer(cfg.speculative_config, session_len)
+        self.proposer = build_proposer(cfg.speculative_config, session_len,
+                                       lambda path: self._load_draft_model(path, session_len), num_blocks,
+                                       block_size, device)
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
                                     model_format=self.model_format, hidden_size=mc.hidden_size)
@@ -349,8 +351,22 @@ class PytorchEngine(Engine):
         if request.sampling.max_new_tokens == 0 and seq.prompt_logprobs is None:
             self._finish(seq, 'length')  # with prompt logprobs it is prefilled first (_step)
 
+    def _load_draft_model(self, model_dir: str, session_len: int):
+        """A draft model (``SpeculativeConfig.model``) built as this engine's: its dtype, device and kernels."""
+        from .models import build_model
+        mc = ModelConfig.from_dir(model_dir)
+        if mc.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f'SpeculativeConfig.model={model_dir!r} is invalid: its vocabulary has {mc.vocab_size} '
+                             f'tokens, the model\'s {self.model_config.vocab_size}; a draft model shares the tokenizer')
+        weights, quantized, _ = load_model_weights(model_dir, mc, None, self.dtype)
+        model = build_model(mc, weights, self.dtype, self.device, self.config.kernel_backend, quantized)
+        model.kernels.set_num_threads(torch.get_num_threads())
+        model.build_rope(session_len)
+        return model
+
     def _step(self) -> bool:
         if self.proposer is not None:
+            self.proposer.retain(self.scheduler.running)
             for seq in self.scheduler.running:
                 seq.draft_token_ids = self.proposer.propose(seq)
         out: SchedulerOutput = self.scheduler.schedule()

@@ -133,6 +133,7 @@ class ModelGreedyProposer:
 
     def __init__(self, model, proposer):
         self.model, self.proposer = model, proposer
+        self.retain = proposer.retain
 
     @torch.no_grad()
     def propose(self, seq):
@@ -188,6 +189,48 @@ def test_pytorch_drafts_with_prefix_caching_and_sliding_out_of_blocks(tiny_llama
     for i in range(len(prompts)):
         assert first.tokens(i) == again.tokens(i) == want.tokens(i), i
     assert stats.num_prefix_hit_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats
+
+
+def test_pytorch_draft_model_greedy_is_the_output_without(tiny_llama, tmp_path):
+    """A draft model (draft_target): the target itself drafting for plain greedy requests has every draft taken;
+    a different random model of the same vocabulary has most rejected, in a batch of greedy, logprobs, penalty,
+    seeded sampled and stopping requests: the output is the target's either way, and the draft cache's shadows
+    are freed with their sequences."""
+    other = tmp_path / 'draft'
+    tiny_hf_model('LlamaConfig', 'LlamaForCausalLM', seed=9, **TINY, tie_word_embeddings=True)[0].save_pretrained(other)
+    rng = random.Random(11)
+    prompts = looping_prompts(rng, 6)
+    greedy = [SamplingParams(max_new_tokens=24)] * 6
+    mixed = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, logprobs=1),
+             SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=24, repetition_penalty=1.2),
+             SamplingParams(max_new_tokens=24, greedy=False, temperature=0.9, random_seed=3),
+             SamplingParams(max_new_tokens=24, stop_token_ids=(prompts[5][2],))]
+    for draft, sampling in ((tiny_llama[1], greedy), (str(other), mixed)):
+        with pt_engine(tiny_llama[1]) as engine:
+            want = run(engine, prompts, sampling)
+        spec = SpeculativeConfig(method='draft_target', model=draft, num_speculative_tokens=3)
+        with pt_engine(tiny_llama[1], spec) as engine:
+            got = run(engine, prompts, sampling)
+            stats = engine.stats()
+            assert_no_leak(engine)
+            # what the next step does once nothing runs
+            engine.call_on_engine_thread(lambda e: e.proposer.retain([]))
+            assert engine.call_on_engine_thread(lambda e: e.proposer.block_manager.num_free_blocks) == 256
+        for i in range(len(prompts)):
+            assert got.tokens(i) == want.tokens(i), (draft, i)
+        for g, w in zip(logprobs_of(got, 1), logprobs_of(want, 1)):
+            assert list(g) == list(w) and max(abs(g[t] - w[t]) for t in g) < 1e-4
+        assert stats.spec_num_draft_tokens > 0, stats
+        if sampling is greedy:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    other = tmp_path / 'draft'
+    tiny_hf_model('LlamaConfig', 'LlamaForCausalLM', **dict(TINY, vocab_size=256))[0].save_pretrained(other)
+    spec = SpeculativeConfig(method='draft_target', model=str(other))
+    with pytest.raises(ValueError, match='vocabulary has 256 tokens'):
+        pt_engine(tiny_llama[1], spec)
 
 
 # ---- end to end: the api_server with --speculative-algorithm ngram, SmolLM2 ---------------------------------
