@@ -53,14 +53,13 @@ def test_ngram_bad_arguments_are_named(args):
 
 # ---- the PyTorch engine ------------------------------------------------------------------------------------
 
-import collections  # noqa: E402
 
 import torch  # noqa: E402
 
 from lmd.engine import EngineRequest, SamplingParams  # noqa: E402
 from lmd.messages import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from lmd.pytorch_backend import PytorchEngine  # noqa: E402
-from test_pytorch_engine import TINY, Collector, assert_no_leak, generate  # noqa: E402
+from test_pytorch_engine import TINY, Collector, assert_no_leak  # noqa: E402
 from tiny_models import saved_models, tiny_hf_model  # noqa: E402
 
 NGRAM = SpeculativeConfig(method='ngram', num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
