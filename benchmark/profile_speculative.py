@@ -3,6 +3,7 @@ llama.cpp with and without its prompt-lookup decoding, on the same input-grounde
 
     python benchmark/profile_speculative.py                          # SmolLM2's Q4_1 GGUF, both engines
     python benchmark/profile_speculative.py --backends pytorch --no-llamacpp --num-draft-tokens 4,8
+    python benchmark/profile_speculative.py --backends pytorch --draft-model PATH   # draft_target too
 
 The prompts ask the model to copy, to continue and to summarise a passage of English prose
 (``prompts.py``'s text), what drafting from the context is for: a copy can take most drafts, a
@@ -44,11 +45,16 @@ def passage(num_words: int = 120) -> str:
     raise RuntimeError('no paragraph long enough')
 
 
-def lmd_side(model: str, backend: str, k: int | None, messages: dict, max_new_tokens: int) -> dict:
-    """One engine, with ``k`` drafted tokens a step (None: no speculation): per task its timing and answer."""
+def lmd_side(model: str, backend: str, k: int | None, messages: dict, max_new_tokens: int,
+             draft_model: str | None = None) -> dict:
+    """One engine, with ``k`` drafted tokens a step (None: no speculation) by prompt lookup, or by
+    ``draft_model``: per task its timing and answer."""
     from lmd import GenerationConfig, SpeculativeConfig, pipeline
     from lmd.backend import CONFIGS
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    spec = None
+    if k:
+        spec = SpeculativeConfig(num_speculative_tokens=k, **(dict(method='draft_target', model=draft_model)
+                                                               if draft_model else {}))
     config = CONFIGS[backend](session_len=2048, speculative_config=spec)
     out = {}
     with pipeline(model, backend=backend, backend_config=config) as pipe:
@@ -94,6 +100,13 @@ def llamacpp_side(path: str, k: int | None, prompts: dict, max_new_tokens: int, 
     return out
 
 
+def against(side: dict, base: dict) -> None:
+    """Each task's speedup over ``base`` (the same engine without speculation) and whether its answer is the same."""
+    for task, r in side.items():
+        r['same_output'] = r['text'] == base[task]['text']
+        r['speedup'] = round(r['decode_tok_s'] / base[task]['decode_tok_s'], 2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--model', default=None, help="a GGUF file or model directory (default: SmolLM2's Q4_1 GGUF)")
@@ -102,6 +115,8 @@ def parse_args(argv=None):
     p.add_argument('--max-new-tokens', type=int, default=192)
     p.add_argument('--num-threads', type=int, default=DEFAULT_THREADS)
     p.add_argument('--no-llamacpp', action='store_true')
+    p.add_argument('--draft-model', default=None,
+                   help='also run draft_target with this draft model (PyTorch engine; TurboMind has no draft model yet)')
     return p.parse_args(argv)
 
 
@@ -122,10 +137,14 @@ def main(argv=None) -> int:
             log(f'{backend}, draft tokens {k}')
             side = lmd_side(model, backend, k, messages, args.max_new_tokens)
             base = base or side
-            for task, r in side.items():
-                r['same_output'] = r['text'] == base[task]['text']
-                r['speedup'] = round(r['decode_tok_s'] / base[task]['decode_tok_s'], 2)
+            against(side, base)
             report['runs'].append(dict(engine=f'lmd {backend}', draft_tokens=k, tasks=side))
+        if args.draft_model and backend == 'pytorch':
+            for k in ks:
+                log(f'{backend}, draft model {args.draft_model}, draft tokens {k}')
+                side = lmd_side(model, backend, k, messages, args.max_new_tokens, args.draft_model)
+                against(side, base)
+                report['runs'].append(dict(engine=f'lmd {backend} + draft model', draft_tokens=k, tasks=side))
     if not args.no_llamacpp and model.endswith('.gguf'):
         template = _TemplateOnly(model)
         rendered = {task: template.render_chat(msgs) for task, msgs in messages.items()}
@@ -137,9 +156,7 @@ def main(argv=None) -> int:
             log(f'llama.cpp, prompt lookup {k}')
             side = llamacpp_side(model, k, rendered, args.max_new_tokens, args.num_threads, extra)
             base = base or side
-            for task, r in side.items():
-                r['same_output'] = r['text'] == base[task]['text']
-                r['speedup'] = round(r['decode_tok_s'] / base[task]['decode_tok_s'], 2)
+            against(side, base)
             report['runs'].append(dict(engine='llama.cpp', draft_tokens=k, tasks=side))
     table(report)
     for run in report['runs']:
