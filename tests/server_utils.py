@@ -55,8 +55,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
+        logs = self.logs()  # before stop() closes the log
         self.stop()
-        raise RuntimeError(f'server not healthy after {timeout} s:\n{self.logs()[-4000:]}')
+        raise RuntimeError(f'server not healthy after {timeout} s:\n{logs[-4000:]}')
 
     def kill(self) -> None:
         """SIGKILL: the server dies without cleaning up, as a crashed node would."""
