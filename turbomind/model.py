@@ -170,15 +170,18 @@ class TurbomindModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """All int tensors contiguous (int64, except row_tables/row_lens int32); float32 logits [R, V]."""
-        logits = torch.empty((logit_rows.numel(), self.config.vocab_size), dtype=torch.float32)
-        self.cpp.forward(to_dlpack(token_ids), to_dlpack(positions), to_dlpack(slots), to_dlpack(row_tables),
-                         to_dlpack(row_lens), to_dlpack(logit_rows), to_dlpack(logits))
-        return logits
+        return self._step(self.cpp.forward, self.config.vocab_size, token_ids, positions, slots, row_tables,
+                          row_lens, logit_rows)
 
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """``forward`` without the head: float32 [R, hidden_size], the final norm's output of logit_rows."""
-        hidden = torch.empty((logit_rows.numel(), self.config.hidden_size), dtype=torch.float32)
-        self.cpp.hidden_states(to_dlpack(token_ids), to_dlpack(positions), to_dlpack(slots), to_dlpack(row_tables),
-                               to_dlpack(row_lens), to_dlpack(logit_rows), to_dlpack(hidden))
-        return hidden
+        return self._step(self.cpp.hidden_states, self.config.hidden_size, token_ids, positions, slots, row_tables,
+                          row_lens, logit_rows)
+
+    @staticmethod
+    def _step(run, width: int, *tensors: torch.Tensor) -> torch.Tensor:
+        """``run`` (a step of the C++ model) on the tensors' DLPack views, into float32 [rows of the last, width]."""
+        out = torch.empty((tensors[-1].numel(), width), dtype=torch.float32)
+        run(*(to_dlpack(t) for t in tensors), to_dlpack(out))
+        return out
