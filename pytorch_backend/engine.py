@@ -377,21 +377,21 @@ class PytorchEngine(Engine):
         try:
             logits, sample_rows, prompt_lps = self.runner.run(out)
             caught_up = [s for s, row in zip(out.seqs, sample_rows) if row >= 0]
-            # each caught-up sequence's first logits row: one row, or one per token of a drafted step
-            first_rows, n = [], 0
-            for s in caught_up:
-                first_rows.append(n)
-                n += 1 + len(s.draft_token_ids)
-            drafted = [(s, r) for s, r in zip(caught_up, first_rows) if s.draft_token_ids]
+            # a caught-up sequence has one logits row, or one per token of a drafted step (verified below);
             # a prefill-only request (max_new_tokens 0, for its prompt logprobs) samples nothing
-            sampled = [(s, r) for s, r in zip(caught_up, first_rows)
-                       if s.sampling.max_new_tokens > 0 and not s.draft_token_ids]
-            all_logits = logits
-            if sampled and len(sampled) < n:
-                logits = logits[torch.tensor([r for _, r in sampled], dtype=torch.int64, device=logits.device)]
-            sampled = [s for s, _ in sampled]
+            sampled, sampled_rows, drafted, num_rows = [], [], [], 0
+            for s in caught_up:
+                if s.draft_token_ids:
+                    drafted.append((s, num_rows))
+                elif s.sampling.max_new_tokens > 0:
+                    sampled.append(s)
+                    sampled_rows.append(num_rows)
+                num_rows += 1 + len(s.draft_token_ids)
+            sampled_logits = logits
+            if sampled and len(sampled) < num_rows:
+                sampled_logits = logits[torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)]
             if sampled:
-                result = self.sampler.sample(logits, [s.sampling_state for s in sampled])
+                result = self.sampler.sample(sampled_logits, [s.sampling_state for s in sampled])
         except Exception as e:
             logger.exception('engine: a step of %d sequences failed', len(out.seqs))
             for seq in out.seqs:
@@ -408,9 +408,9 @@ class PytorchEngine(Engine):
                 self._finish(seq, 'length')
         if sampled:
             for i, seq in enumerate(sampled):
-                self._on_token(seq, result.token_ids[i], result.logprobs[i], logits, i)
+                self._on_token(seq, result.token_ids[i], result.logprobs[i], sampled_logits, i)
         for seq, row in drafted:
-            self._verify(seq, all_logits, row)
+            self._verify(seq, logits, row)
         return True
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, row: int) -> None:

@@ -50,19 +50,9 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
-            elif seq.draft_token_ids:  # the pending token, then the draft (speculative.py)
-                input_ids.extend(seq.token_ids[start:])
-                input_ids.extend(seq.draft_token_ids)
-                positions.extend(range(start, end))
-                pos = start
-                while pos < end:
-                    i = pos // bs
-                    run_end = min(end, (i + 1) * bs)
-                    base = (block_ids[i] - i) * bs
-                    slots.extend(range(base + pos, base + run_end))
-                    pos = run_end
             else:
                 input_ids.extend(seq.token_ids[start:end])
+                input_ids.extend(seq.draft_token_ids)  # a drafted step: its pending token, then the draft
                 positions.extend(range(start, end))
                 pos = start
                 while pos < end:  # one run of slots per block touched

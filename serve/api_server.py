@@ -51,7 +51,7 @@ from .openai_protocol import (
     TokenizeRequest,
 )
 from .server import Server, ServerConfig
-from .tokenization import detokenize, tokenize, tokenizer_info
+from .tokenization import check_in_vocab, detokenize, tokenize, tokenizer_info
 
 __all__ = ['Server', 'ServerConfig', 'build_app', 'serve']
 
@@ -172,11 +172,8 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
         server.check_auth(request)
         engine = server.ready_engine()
         rows = body.input_ids if body.input_ids and isinstance(body.input_ids[0], list) else [body.input_ids]
-        vocab = engine.model_info.vocab_size
         for row in rows:
-            bad = [t for t in row if t >= vocab]
-            if bad:
-                raise APIError(400, f'token id {bad[0]} is outside the vocabulary [0, {vocab})', param='input_ids')
+            check_in_vocab(engine, row, 'input_ids')
         texts = [engine.decode(r, skip_special_tokens=body.skip_special_tokens) for r in rows]
         return {'text': texts if rows is body.input_ids else texts[0]}
 

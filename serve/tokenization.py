@@ -48,12 +48,17 @@ def render_chat(engine: AsyncEngine, body: TokenizeRequest) -> str:
         raise APIError(400, str(e), param='messages') from e
 
 
+def check_in_vocab(engine: AsyncEngine, ids: list[int], param: str) -> None:
+    """A 400 naming ``param`` for the first id past the vocabulary (negative ids the schema refuses)."""
+    vocab = engine.model_info.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f'token id {bad} is outside the vocabulary [0, {vocab})', param=param)
+
+
 def detokenize(engine: AsyncEngine, body: DetokenizeRequest) -> dict:
     """``{prompt}``: the text of the ids, special tokens kept (vLLM's answer)."""
-    vocab = engine.model_info.vocab_size
-    bad = next((t for t in body.tokens if t >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f'token id {bad} is outside the vocabulary [0, {vocab})', param='tokens')
+    check_in_vocab(engine, body.tokens, 'tokens')
     return {'prompt': engine.decode(body.tokens, skip_special_tokens=False)}
 
 
