@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmd.engine import SamplingParams
+from lmd.gguf_quantize import llama_cpp_missing
 from lmd.messages import TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.turbomind.model import TurbomindModel
@@ -68,9 +69,10 @@ def test_a_tiny_model_of_every_type_equals_hf(tiny_mixed_dir):
         assert err < (0.04 if int8 else 1e-5), (int8, err)
 
 
+_llama_cpp_missing = llama_cpp_missing()
 needs_llama_cpp = pytest.mark.skipif(
-    __import__('importlib').util.find_spec('llama_cpp') is None,
-    reason='llama-cpp-python writes the Q4_K_M file (benchmark/setup_llamacpp.sh)')
+    _llama_cpp_missing is not None,
+    reason=f'llama-cpp-python writes the Q4_K_M file (benchmark/setup_llamacpp.sh): {_llama_cpp_missing}')
 
 
 @pytest.fixture(scope='module')
