@@ -3,7 +3,7 @@ llama.cpp with and without its prompt-lookup decoding, on the same input-grounde
 
     python benchmark/profile_speculative.py                          # SmolLM2's Q4_1 GGUF, both engines
     python benchmark/profile_speculative.py --backends pytorch --no-llamacpp --num-draft-tokens 4,8
-    python benchmark/profile_speculative.py --backends pytorch --draft-model PATH   # draft_target too
+    python benchmark/profile_speculative.py --draft-model PATH   # draft_target too, both engines
 
 The prompts ask the model to copy, to continue and to summarise a passage of English prose
 (``prompts.py``'s text), what drafting from the context is for: a copy can take most drafts, a
@@ -116,7 +116,7 @@ def parse_args(argv=None):
     p.add_argument('--num-threads', type=int, default=DEFAULT_THREADS)
     p.add_argument('--no-llamacpp', action='store_true')
     p.add_argument('--draft-model', default=None,
-                   help='also run draft_target with this draft model (PyTorch engine; TurboMind has no draft model yet)')
+                   help='also run draft_target with this draft model (any model of the same vocabulary)')
     return p.parse_args(argv)
 
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             base = base or side
             against(side, base)
             report['runs'].append(dict(engine=f'lmd {backend}', draft_tokens=k, tasks=side))
-        if args.draft_model and backend == 'pytorch':
+        if args.draft_model:
             for k in ks:
                 log(f'{backend}, draft model {args.draft_model}, draft tokens {k}')
                 side = lmd_side(model, backend, k, messages, args.max_new_tokens, args.draft_model)

@@ -62,15 +62,17 @@ class Pipeline:
         return list(gen_config)
 
     def __call__(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
-                 do_preprocess: bool = True) -> Response | list[Response] | list[list[Response]]:
-        """Answer every prompt; with ``n > 1`` each prompt gets a list of ``n`` Responses."""
+                 do_preprocess: bool = True,
+                 adapter_name: str | None = None) -> Response | list[Response] | list[list[Response]]:
+        """Answer every prompt; with ``n > 1`` each prompt gets a list of ``n`` Responses. ``adapter_name``:
+        a LoRA adapter of the engine config's ``adapters`` (or ``load_adapter``) answers them."""
         batch, single = _as_batch(prompts)
         gens = self._gen_configs(gen_config, len(batch))
 
         async def one(i: int, prompt, gen: GenerationConfig):
             outs = [None] * gen.n
             async for r in self.async_engine.generate_n(prompt, gen, stream_response=False,
-                                                        do_preprocess=do_preprocess):
+                                                        do_preprocess=do_preprocess, adapter_name=adapter_name):
                 outs[r.index] = r
             for r in outs:
                 r.index = i
@@ -83,7 +85,7 @@ class Pipeline:
         return results[0] if single else results
 
     def stream_infer(self, prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
-                     do_preprocess: bool = True) -> Iterator[Response]:
+                     do_preprocess: bool = True, adapter_name: str | None = None) -> Iterator[Response]:
         """Yield Responses as tokens arrive; ``index`` names the prompt each belongs to."""
         batch, _ = _as_batch(prompts)
         gens = self._gen_configs(gen_config, len(batch))
@@ -94,7 +96,7 @@ class Pipeline:
         async def produce(put):
             async def one(i, prompt, gen):
                 async for r in self.async_engine.generate(prompt, gen_config=gen, do_preprocess=do_preprocess,
-                                                          index=i):
+                                                          index=i, adapter_name=adapter_name):
                     put(r)
             await asyncio.gather(*(one(i, p, g) for i, (p, g) in enumerate(zip(batch, gens))))
 

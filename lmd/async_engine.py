@@ -22,6 +22,8 @@ from .errors import InputTooLongError
 from .guided import constraint_for
 from .messages import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, Response,
                        TurbomindEngineConfig)
+from .lora import load_lora_adapter
+from .model_config import ModelConfig
 from .model_path import prepare_model_dir
 from .tokenizer import DetokenizeState, StopStringMatcher, Tokenizer
 
@@ -48,9 +50,11 @@ def build_engine(model_dir: str, backend: str | None,
     logger.info('engine %s (%s)', backend, why)
     if backend == 'turbomind':
         from .turbomind.engine import TurbomindEngine
-        return TurbomindEngine(model_dir, backend_config)
-    from .pytorch_backend import PytorchEngine
-    return PytorchEngine(model_dir, backend_config)
+        engine = TurbomindEngine(model_dir, backend_config)
+    else:
+        from .pytorch_backend import PytorchEngine
+        engine = PytorchEngine(model_dir, backend_config)
+    return engine
 
 
 def _id_batch(input_ids, min_len: int) -> list[list[int]]:
@@ -95,6 +99,13 @@ class AsyncEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.chat_template = get_chat_template(self.tokenizer, chat_template_config)
         self.engine = build_engine(self.model_dir, backend, backend_config)
+        self._adapter_paths: dict[str, str] = {}  # the LoRA adapters loaded, name -> folder
+        try:
+            for name, path in ((backend_config.adapters if backend_config is not None else None) or {}).items():
+                self.load_adapter(name, path)
+        except BaseException:
+            self.engine.close()
+            raise
         self.model_info = self.engine.model_info
         self.session_len = self.model_info.session_len
         eos = set(self.model_info.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -104,6 +115,28 @@ class AsyncEngine:
         self._ids = itertools.count(1 << 32)  # request ids, above any user session id
         self._ids_lock = threading.Lock()
         self._pooler_config: PoolerConfig | None = None
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in folder ``path`` as ``name`` (``lmd.lora``); LoraError (a
+        ModelFormatError) when it does not fit the model, ValueError when the name is taken."""
+        adapter = load_lora_adapter(path, ModelConfig.from_dir(self.model_dir), name)
+        self.engine.load_adapter(adapter)
+        self._adapter_paths[name] = adapter.path
+
+    def unload_adapter(self, name: str) -> None:
+        """ValueError when ``name`` is not loaded or requests still use it."""
+        self.engine.unload_adapter(name)
+        self._adapter_paths.pop(name, None)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return self.engine.adapter_names()
+
+    def adapter_path(self, name: str) -> str | None:
+        """The folder the adapter ``name`` was loaded from."""
+        return self._adapter_paths.get(name)
 
     def next_session_id(self) -> int:
         with self._ids_lock:
@@ -160,12 +193,14 @@ class AsyncEngine:
                        stream_response: bool = True, do_preprocess: bool = True,
                        sequence_start: bool = True, sequence_end: bool = True,
                        index: int = 0, seed: int | None = None,
-                       engine_ids: list[int] | None = None) -> AsyncIterator[Response]:
+                       engine_ids: list[int] | None = None,
+                       adapter_name: str | None = None) -> AsyncIterator[Response]:
         """Generate one answer; yields a Response per new piece (or one at the end).
 
         ``input_ids`` replaces ``prompt`` with token ids. With ``sequence_start=False``
         the ids extend the session's kept history (see ``Session``). ``engine_ids``, when
         given, receives every token the engine appended to the session (stop tokens too).
+        ``adapter_name``: a loaded LoRA adapter (``load_adapter``) answers instead of the base model.
         """
         gen = gen_config or GenerationConfig()
         if input_ids is None:
@@ -177,7 +212,8 @@ class AsyncEngine:
         request = EngineRequest(session_id=session_id, token_ids=tuple(input_ids),
                                 sampling=self.sampling_params(gen, seed),
                                 sequence_start=sequence_start, sequence_end=sequence_end,
-                                constraint=constraint_for(self, gen.response_format))  # a fresh one per sample
+                                constraint=constraint_for(self, gen.response_format),  # a fresh one per sample
+                                adapter=adapter_name)
 
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         # the engine runs the callback on this loop's thread, a step's outputs in one wake

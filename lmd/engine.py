@@ -60,12 +60,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .errors import PromptTooLongError
+from .lora import AdapterSlot, AdapterTable
 from .messages import FinishReason, GenerationConfig
 
 if TYPE_CHECKING:
     import torch
 
     from .guided import TokenConstraint
+    from .lora import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class EngineRequest:
     sequence_end: bool = True
     # structured output: the request's own grammar state (see the module docstring); one request only
     constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
+    # a LoRA adapter loaded into the engine (Engine.load_adapter), by name; None: the base model. A kept
+    # session's later turns name the same adapter as its first.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,16 +255,32 @@ class Engine(ABC):
         """Stop the engine thread; pending requests finish with 'abort'."""
 
     @abstractmethod
-    def get_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def get_logits(self, token_ids: Sequence[int], adapter: str | None = None) -> torch.Tensor:
         """Teacher-forced float32 logits [len(token_ids), vocab_size] on the CPU: row t is the
         distribution of the token after ``token_ids[:t + 1]``. One forward pass from an empty KV
         cache of this call's own (see the module docstring); ValueError for ids ``scored_token_ids``
-        refuses."""
+        refuses. ``adapter``: a loaded LoRA adapter's name, applied for this pass."""
 
     @abstractmethod
-    def get_hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def get_hidden_states(self, token_ids: Sequence[int], adapter: str | None = None) -> torch.Tensor:
         """float32 [len(token_ids), hidden_size] on the CPU: row t is the final hidden state (after the
         model's final norm, before lm_head) of position t, run as ``get_logits`` runs it."""
+
+    # -- LoRA adapters (lmd.lora): served beside the base model, chosen per request --------------------
+
+    @abstractmethod
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (``lmd.lora.load_lora_adapter``) under its name from now on; any thread,
+        while requests run. ValueError when the name is taken or the adapter does not fit the model."""
+
+    @abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter ``name`` and free its weights; ValueError when it is not loaded
+        or requests (or kept sessions) still use it."""
+
+    @abstractmethod
+    def adapter_names(self) -> list[str]:
+        """The adapters loaded, in the order they were."""
 
 
 def scored_token_ids(token_ids: Sequence[int], info: ModelInfo, caller: str = 'get_logits') -> list[int]:
@@ -298,15 +319,18 @@ class SessionTable:
     It owns lmd's one prompt-length check (``PromptTooLongError``): only here is a kept session's
     history known, and every caller, ``AsyncEngine`` and the servers included, comes through it."""
 
-    def __init__(self, vocab_size: int, session_len: int):
+    def __init__(self, vocab_size: int, session_len: int, adapters: AdapterTable | None = None):
         self.vocab_size = vocab_size
         self.session_len = session_len
+        self.adapters = adapters if adapters is not None else AdapterTable()
         self._lock = threading.Lock()
         self._active: set[int] = set()
         self._kept: dict[int, int] = {}
+        self._adapter_of: dict[int, str] = {}  # sessions in flight or kept that run an adapter: its name
 
-    def admit(self, request: EngineRequest, callback) -> None:
-        """Raise ValueError (TypeError for wrong types) unless ``request`` can be served; else mark it in flight."""
+    def admit(self, request: EngineRequest, callback) -> AdapterSlot | None:
+        """Raise ValueError (TypeError for wrong types) unless ``request`` can be served; else mark it in
+        flight, and return its adapter's slot (None: the base model), held until the session is done."""
         if not isinstance(request, EngineRequest):
             raise TypeError(f'add_request expects an EngineRequest, got {type(request).__name__}')
         if not callable(callback):
@@ -344,12 +368,27 @@ class SessionTable:
                 history = self._kept[sid]
             if history + len(ids) >= self.session_len:  # the one prompt-length check of lmd
                 raise PromptTooLongError(sid, len(ids), history, self.session_len)
+            held = self._adapter_of.get(sid)
+            if request.sequence_start:
+                slot = self.adapters.acquire(request.adapter) if request.adapter is not None else None
+                if held is not None:  # a kept session started over: its old adapter is let go
+                    self.adapters.release(held)
+                    del self._adapter_of[sid]
+                if slot is not None:
+                    self._adapter_of[sid] = slot.name
+            elif request.adapter != held:
+                raise ValueError(f'session {sid} runs adapter {held!r}; its later turns cannot switch to '
+                                 f'{request.adapter!r} (its kept cache was computed with the first)')
+            else:
+                slot = self.adapters.get(held) if held is not None else None
             self._active.add(sid)
+            return slot
 
     def withdraw(self, session_id: int) -> None:
         """An admitted request that never reached the engine."""
         with self._lock:
             self._active.discard(session_id)
+            self._let_go(session_id)
 
     def finished(self, session_id: int, kept_tokens: int | None) -> None:
         """A turn ended; ``kept_tokens``: the context a kept session now holds (None: not kept)."""
@@ -357,9 +396,16 @@ class SessionTable:
             self._active.discard(session_id)
             if kept_tokens is None:
                 self._kept.pop(session_id, None)
+                self._let_go(session_id)
             else:
                 self._kept[session_id] = kept_tokens
 
     def forget(self, session_id: int) -> None:
         with self._lock:
             self._kept.pop(session_id, None)
+            self._let_go(session_id)
+
+    def _let_go(self, session_id: int) -> None:
+        """The session's adapter is released once the session is neither in flight nor kept."""
+        if session_id not in self._active and session_id not in self._kept and session_id in self._adapter_of:
+            self.adapters.release(self._adapter_of.pop(session_id))

@@ -169,6 +169,8 @@ class EngineConfig:
     max_prefill_token_num: int | None = 4096
     num_threads: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters served beside the base model from the start (LMDeploy's name): {name: PEFT folder}
+    adapters: dict[str, str] | None = None
 
     def __post_init__(self):
         c = type(self).__name__
@@ -192,6 +194,9 @@ class EngineConfig:
             _check_range(c, 'num_threads', self.num_threads, lo=1, integer=True)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             _fail(c, 'speculative_config', self.speculative_config, 'expected a SpeculativeConfig or None')
+        if self.adapters is not None and not (isinstance(self.adapters, dict) and all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.adapters.items())):
+            _fail(c, 'adapters', self.adapters, 'expected a dict of adapter name -> PEFT adapter folder')
         if not isinstance(self.device, str) or not self._device_ok(self.device):
             _fail(c, 'device', self.device, f'allowed values are {self._devices}')
 

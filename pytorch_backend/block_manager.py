@@ -35,6 +35,12 @@ def _block_key(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def _root_key(salt: int) -> int:
+    """The parent key of a sequence's first block: a LoRA adapter's uid (``Sequence.adapter_uid``) starts a
+    chain of its own, so blocks computed with an adapter are only found by requests of that adapter."""
+    return _ROOT_HASH if not salt else hash((_ROOT_HASH, 'lora', salt))
+
+
 class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, window: int = 0):
@@ -90,18 +96,19 @@ class BlockManager:
 
     # ---- the scheduler's interface ----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: list[int], salt: int = 0) -> tuple[list[int], int]:
         """The cached blocks holding the longest run of full leading blocks of ``token_ids``.
 
         Returns (block_ids, num_cached_tokens). Takes no reference: hand the ids to
         ``allocate`` in the same step. At most ``len(token_ids) - 1`` tokens match, so
-        the last token is always recomputed (its logits are needed).
+        the last token is always recomputed (its logits are needed). ``salt``: the sequence's
+        ``adapter_uid`` (``_root_key``).
         """
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
         block_ids: list[int] = []
-        parent = _ROOT_HASH
+        parent = _root_key(salt)
         for start in range(0, len(token_ids) - bs, bs):
             tokens = tuple(token_ids[start:start + bs])
             key = _block_key(parent, tokens)
@@ -197,7 +204,7 @@ class BlockManager:
         hashes = seq.block_hashes
         if num_full <= len(hashes):
             return
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else _root_key(seq.adapter_uid)
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             key = _block_key(parent, tokens)

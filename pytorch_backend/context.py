@@ -9,8 +9,12 @@ cache plus these new tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .lora import LoraStep
 
 
 @dataclass
@@ -38,6 +42,8 @@ class StepContext:
     quant_policy: int = 0
     # what a kernel derives from the above once per step and reuses in every layer
     derived: dict = field(default_factory=dict)
+    # the LoRA adapters of the step's rows (lora.py); None: every row runs the base model
+    lora: LoraStep | None = None
 
     @property
     def num_seqs(self) -> int:

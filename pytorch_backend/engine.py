@@ -23,6 +23,7 @@ import torch
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
                         SamplingParams, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
+from lmd.lora import AdapterSlot, LoraAdapter, check_fits
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 from lmd.weights.dtype import resolve_dtype
@@ -49,6 +50,7 @@ class _Add:
     # test hook: teacher forcing (see ``teacher_forced_logits``)
     forced_token_ids: tuple[int, ...] | None = None
     logits_sink: list | None = None
+    adapter: AdapterSlot | None = None  # the request's LoRA adapter (SessionTable.admit), held for it
 
 
 @dataclass(frozen=True)
@@ -187,17 +189,52 @@ class PytorchEngine(Engine):
         if threading.current_thread() is not self._thread:  # from a callback: the loop ends after this step
             self._thread.join()
 
-    def get_logits(self, token_ids) -> torch.Tensor:
+    def get_logits(self, token_ids, adapter: str | None = None) -> torch.Tensor:
         """The Engine interface's scoring call: run on the engine thread between two steps (it alone
         runs the model), over a KV cache of the call's own (``ModelRunner.score``)."""
         ids = scored_token_ids(token_ids, self.model_info)
-        return self.call_on_engine_thread(lambda engine: engine.runner.score(ids).cpu(), timeout=None)
+        return self._with_adapter(adapter, lambda slot: self.call_on_engine_thread(
+            lambda engine: engine.runner.score(ids, slot).cpu(), timeout=None))
 
-    def get_hidden_states(self, token_ids) -> torch.Tensor:
+    def get_hidden_states(self, token_ids, adapter: str | None = None) -> torch.Tensor:
         """The Engine interface's embedding call: run as ``get_logits`` runs, the final norm's output in
         place of the logits (``ModelRunner.hidden_states``)."""
         ids = scored_token_ids(token_ids, self.model_info, 'get_hidden_states')
-        return self.call_on_engine_thread(lambda engine: engine.runner.hidden_states(ids).cpu(), timeout=None)
+        return self._with_adapter(adapter, lambda slot: self.call_on_engine_thread(
+            lambda engine: engine.runner.hidden_states(ids, slot).cpu(), timeout=None))
+
+    def _with_adapter(self, name: str | None, fn):
+        """fn(the adapter's slot, -1 for None), the adapter held (not unloaded) meanwhile."""
+        if name is None:
+            return fn(-1)
+        table = self._sessions.adapters
+        entry = table.acquire(name)
+        try:
+            return fn(entry.slot)
+        finally:
+            table.release(name)
+
+    # ---- LoRA adapters (lora.py) ---------------------------------------------------------------------------
+
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Converted here (the caller's thread); put in its slot and published on the engine thread, between
+        steps, so no request can name it before its weights are in place."""
+        check_fits(adapter, self.model_config)
+        weights = self.runner.lora.prepare(adapter)
+
+        def install(engine: 'PytorchEngine') -> None:
+            entry = engine._sessions.adapters.add(adapter)  # ValueError: the name is taken
+            engine.runner.lora.install(entry.slot, entry.uid, weights)
+        self.call_on_engine_thread(install, timeout=None)
+
+    def unload_adapter(self, name: str) -> None:
+        def remove(engine: 'PytorchEngine') -> None:
+            entry = engine._sessions.adapters.remove(name)  # ValueError: unknown, or in use
+            engine.runner.lora.remove(entry.slot)
+        self.call_on_engine_thread(remove, timeout=None)
+
+    def adapter_names(self) -> list[str]:
+        return self._sessions.adapters.names()
 
     def __enter__(self):
         return self
@@ -260,12 +297,12 @@ class PytorchEngine(Engine):
         with self._lock:
             if self._closing:
                 raise RuntimeError('the engine is closed')
-        self._sessions.admit(request, callback)
+        adapter = self._sessions.admit(request, callback)
         with self._cond:
             if self._closing:
                 self._sessions.withdraw(request.session_id)
                 raise RuntimeError('the engine is closed')
-            self._inbox.append(_Add(request, callback, **hooks))
+            self._inbox.append(_Add(request, callback, adapter=adapter, **hooks))
             self._cond.notify()
 
     # ---- the engine thread ---------------------------------------------------------------------------------
@@ -334,6 +371,8 @@ class PytorchEngine(Engine):
                 return
             seq = Sequence(sid, list(request.token_ids), request.sampling, None, message.callback,
                            request.sequence_end)
+            if message.adapter is not None:
+                seq.adapter_slot, seq.adapter_uid = message.adapter.slot, message.adapter.uid
             self._seqs[sid] = seq
             self.scheduler.add(seq)
         else:

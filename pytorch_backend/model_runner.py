@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .context import StepContext
+from .lora import ModelLora
 from .sampler import token_logprobs
 from .scheduler import SchedulerOutput
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.quant_policy = quant_policy
         # per layer (k_cache, v_cache[, k_params, v_params]): CausalLM.allocate_kv_cache
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, quant_policy)
+        self.lora = ModelLora(model.num_layers, model.dtype, device)  # LoRA adapters by slot (lora.py)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
         """Flatten the step into input_ids[T], positions[T] and a StepContext.
@@ -42,7 +44,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         cu = [0]
         num_rows = 0
+        row_slots: list[int] | None = None  # each row's LoRA slot, once a sequence runs one
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            if seq.adapter_slot >= 0 and row_slots is None:
+                row_slots = [-1] * num_rows
+            if row_slots is not None:
+                row_slots.extend([seq.adapter_slot] * n)
             start = seq.num_computed_tokens
             end = start + n
             block_ids = seq.block_ids
@@ -96,6 +103,7 @@ class ModelRunner:
             query_lens_list=query_lens,
             context_lens_list=context_lens,
             quant_policy=self.quant_policy,
+            lora=self.lora.step(row_slots) if row_slots is not None else None,
         )
         return longs[:T], longs[T:2 * T], ctx, sample_rows
 
@@ -152,20 +160,20 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
+    def score(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """float32 logits [n, vocab] of one sequence teacher-forced in one forward pass, over a KV cache
         of its own (the serving cache's blocks are left alone), freed after (``PytorchEngine.get_logits``)."""
-        return self.model.compute_logits(self.forward_alone(token_ids))
+        return self.model.compute_logits(self.forward_alone(token_ids, adapter_slot))
 
     @torch.inference_mode()
-    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+    def hidden_states(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """float32 [n, hidden]: the final norm's output of one sequence, run as ``score`` runs it
         (``PytorchEngine.get_hidden_states``)."""
-        return self.forward_alone(token_ids).float()
+        return self.forward_alone(token_ids, adapter_slot).float()
 
-    def forward_alone(self, token_ids: list[int]) -> torch.Tensor:
+    def forward_alone(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """The model's hidden states [n, hidden] (after the final norm, the model dtype) of one sequence
-        in one forward pass over a KV cache of its own, freed after."""
+        in one forward pass over a KV cache of its own, freed after; ``adapter_slot``: its LoRA adapter."""
         n, bs, dev = len(token_ids), self.block_size, self.device
         num_blocks = -(-n // bs)
         # one sequence in blocks 0, 1, ... in order: token t sits in slot t
@@ -175,6 +183,7 @@ class ModelRunner:
                           cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=dev), context_lens=lens,
                           block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
                           is_decode=n == 1, query_lens_list=[n], context_lens_list=[n],
-                          quant_policy=self.quant_policy)
+                          quant_policy=self.quant_policy,
+                          lora=self.lora.step([adapter_slot] * n) if adapter_slot >= 0 else None)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
         return self.model.forward(ids, torch.arange(n, device=dev), ctx)

@@ -112,7 +112,7 @@ class Scheduler:
             prefix: list[int] = []
             # admission from scratch: look in the prefix cache (unless the prompt's own rows are wanted)
             if not seq.block_ids and not seq.skip_reading_prefix_cache:
-                prefix, num_hit = bm.match_prefix(seq.token_ids)
+                prefix, num_hit = bm.match_prefix(seq.token_ids, seq.adapter_uid)
                 seq.num_computed_tokens = num_hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate(seq, seq.num_computed_tokens + n, prefix):

@@ -25,7 +25,7 @@ class Sequence:
     __slots__ = ('session_id', 'token_ids', 'num_prompt_tokens', 'num_computed_tokens', 'num_cached_tokens',
                  'block_ids', 'block_hashes', 'status', 'sampling', 'sampling_state', 'callback',
                  'loop', 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids',
-                 'prompt_logprobs', 'skip_reading_prefix_cache', 'draft_token_ids')
+                 'prompt_logprobs', 'skip_reading_prefix_cache', 'draft_token_ids', 'adapter_slot', 'adapter_uid')
 
     def __init__(self, session_id: int, token_ids: list[int], sampling: 'SamplingParams',
                  sampling_state, callback: Callable[['EngineOutput'], None] | None, sequence_end: bool = True):
@@ -57,6 +57,10 @@ class Sequence:
         self.skip_reading_prefix_cache = False
         # speculative decoding: this step's drafted tokens, computed after the pending one (speculative.py)
         self.draft_token_ids: tuple[int, ...] = ()
+        # a LoRA adapter (lmd.lora.AdapterSlot): the model's slot its rows run, and the uid that salts its
+        # prefix-cache keys; -1 / 0: the base model
+        self.adapter_slot = -1
+        self.adapter_uid = 0
         # test hooks (teacher forcing): logits rows land in logits_sink, the next token comes from forced_token_ids
         self.logits_sink: list | None = None
         self.forced_token_ids: list[int] | None = None

@@ -4,7 +4,9 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completion
 ``POST /v1/embeddings`` (the one model route of ``--task embed``),
 ``POST /generate`` (LMDeploy's raw endpoint, with interactive sessions), ``POST /v1/encode``
 and ``/v1/decode``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``,
-``GET /health``, ``GET /metrics``.
+``GET /health``, ``GET /metrics``; vLLM's ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (LoRA adapters, named by requests' ``model`` field, listed by
+``/v1/models`` under the base model).
 
 The engine loads in a background thread after the socket is open: ``/health`` answers 503
 until it is ready (and again if an engine thread dies), so an orchestrator can watch a
@@ -34,6 +36,7 @@ from fastapi.responses import Response as HTTPResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmd.async_engine import AsyncEngine
+from lmd.errors import ModelFormatError
 
 from .chat_completions import answer_chat
 from .completions import answer_completions
@@ -48,7 +51,9 @@ from .openai_protocol import (
     EmbeddingRequest,
     EncodeRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from .server import Server, ServerConfig
 from .tokenization import check_in_vocab, detokenize, tokenize, tokenizer_info
@@ -144,11 +149,45 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
     async def list_models(request: Request):
         server.check_auth(request)
         engine = server.engine
-        card = {'id': server.config.model_name, 'object': 'model', 'created': server.created, 'owned_by': 'lmd',
-                'root': server.config.model_name, 'parent': None}
+        base = server.config.model_name
+        card = {'id': base, 'object': 'model', 'created': server.created, 'owned_by': 'lmd', 'root': base,
+                'parent': None}
+        cards = [card]
         if engine is not None:
             card['max_model_len'] = engine.session_len
-        return {'object': 'list', 'data': [card]}
+            # a LoRA adapter is a model of its own whose parent is the base, as vLLM lists them
+            cards += [{'id': name, 'object': 'model', 'created': server.created, 'owned_by': 'lmd',
+                       'root': engine.adapter_path(name), 'parent': base, 'max_model_len': engine.session_len}
+                      for name in engine.adapter_names]
+        return {'object': 'list', 'data': cards}
+
+    # ---- LoRA adapters at run time (vLLM's routes) ---------------------------------------------------
+
+    @app.post('/v1/load_lora_adapter')
+    async def load_lora_adapter(request: Request, body: LoadLoraAdapterRequest):
+        server.check_auth(request)
+        engine = server.ready_engine()
+        if body.lora_name == server.config.model_name or body.lora_name in engine.adapter_names:
+            raise APIError(400, f'the name {body.lora_name!r} is taken: an adapter or the model is served under it',
+                           param='lora_name')
+        try:  # reads and fuses the adapter's files: off the event loop
+            await asyncio.to_thread(engine.load_adapter, body.lora_name, body.lora_path)
+        except (ModelFormatError, ValueError, OSError) as e:
+            raise APIError(400, str(e), param='lora_path') from None
+        return HTTPResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post('/v1/unload_lora_adapter')
+    async def unload_lora_adapter(request: Request, body: UnloadLoraAdapterRequest):
+        server.check_auth(request)
+        engine = server.ready_engine()
+        if body.lora_name not in engine.adapter_names:
+            raise APIError(404, f'the LoRA adapter {body.lora_name!r} is not loaded', param='lora_name',
+                           code='model_not_found')
+        try:
+            await asyncio.to_thread(engine.unload_adapter, body.lora_name)
+        except ValueError as e:  # in use
+            raise APIError(400, str(e), param='lora_name') from None
+        return HTTPResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # ---- tokenizer -------------------------------------------------------------------------------
 
@@ -221,7 +260,7 @@ def build_app(server: Server, load_in_background: bool = True) -> FastAPI:
     @app.post('/v1/embeddings')
     async def embeddings(request: Request, body: EmbeddingRequest):
         server.check_auth(request)
-        server.check_model(body.model)
+        server.check_model(body.model, adapters=False)
         return await answer_embeddings(server, server.ready_engine(), body)
 
     return app
@@ -260,7 +299,7 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
           tp: int = 1, dtype: str = 'auto', num_threads: int | None = None, device: str | None = None,
           int8_activations: bool = False, speculative_algorithm: str | None = None,
           speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None,
-          task: str = 'generate', log_level: str = 'INFO') -> None:
+          adapters=None, task: str = 'generate', log_level: str = 'INFO') -> None:
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/embeddings, /v1/models, /generate, /v1/encode, /v1/decode, /tokenize, /detokenize, /tokenizer_info,
     /health, /metrics (docs at /docs).
@@ -296,6 +335,8 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         speculative_algorithm: speculative decoding: ngram (drafts by prompt lookup) or draft_target.
         speculative_num_draft_tokens: tokens drafted per step (default 4).
         speculative_draft_model: the draft model, with draft_target.
+        adapters: LoRA adapters (PEFT folders) served beside the model, as name=path, separated by commas;
+            a request's "model" names one. More load at run time: POST /v1/load_lora_adapter.
         task: generate (text; /v1/embeddings answers too), or embed (an embedding model: /v1/embeddings
             only, pooled as its sentence-transformers files say, else last token, normalized).
         log_level: DEBUG, INFO, WARNING or ERROR.
@@ -304,6 +345,7 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
 
     from lmd.backend import check_backend, command_engine_config, command_speculative_config
     from lmd.embeddings import pooler_config_from_dir
+    from lmd.lora import parse_adapters
     from lmd.messages import ChatTemplateConfig
     from lmd.model_path import prepare_model_dir
 
@@ -317,7 +359,8 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy,
                   model_format=model_format, tp=tp, dtype=dtype, device=device, num_threads=num_threads,
                   speculative_config=command_speculative_config(speculative_algorithm, speculative_num_draft_tokens,
-                                                                speculative_draft_model))
+                                                                speculative_draft_model),
+                  adapters=parse_adapters(adapters) or None)
     config = command_engine_config(fields, backend, int8_activations)  # checked before the port opens
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
     if task == 'embed':  # an embedder's pooling files are checked before the port opens

@@ -30,7 +30,8 @@ async def answer_chat(request: Request, server: Server, engine: AsyncEngine, bod
     if body.prompt_logprobs is not None:  # vLLM's extra: the prompt's own, from the prefill
         gen = gen.replace(prompt_logprobs=body.prompt_logprobs)
     rid = f'chatcmpl-{secrets.token_hex(12)}'
-    stream = run_answers(server, engine, prep.input_ids, gen, body.session_id, prompt_param='messages')
+    stream = run_answers(server, engine, prep.input_ids, gen, body.session_id, prompt_param='messages',
+                         adapter=server.check_model(body.model))
     try:
         if body.stream:
             return await sse_response(request, server, timer, stream, ChatStream(server, body, prep, rid, timer))
@@ -126,7 +127,7 @@ class ChatStream:
     def __init__(self, server: Server, body: ChatCompletionRequest, prep: ChatPrep, rid: str, timer: RequestTimer):
         self.server, self.body, self.prep, self.rid, self.timer = server, body, prep, rid, timer
         self.created = int(time.time())
-        self.model = server.config.model_name
+        self.model = server.model_label(body.model)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         self.usage = Usage()
@@ -318,7 +319,7 @@ async def chat_whole(server: Server, body: ChatCompletionRequest, prep: ChatPrep
             choice['logprobs'] = {'content': server.token_texts.chat_logprobs(c.token_ids, c.logprobs,
                                                                                body.top_logprobs or 0)}
         out.append(choice)
-    result = {'id': rid, 'object': 'chat.completion', 'created': int(time.time()), 'model': server.config.model_name,
+    result = {'id': rid, 'object': 'chat.completion', 'created': int(time.time()), 'model': server.model_label(body.model),
               'choices': out, 'usage': usage.body()}
     if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices (one prompt for all n)
         result['prompt_logprobs'] = server.token_texts.prompt_logprobs(prep.input_ids, prompt_lps or (),

@@ -42,8 +42,9 @@ async def answer_completions(request: Request, server: Server, engine: AsyncEngi
                    default=None)
     if prompt_k is not None:
         gens = [g.replace(prompt_logprobs=prompt_k) for g in gens]
+    adapter = server.check_model(body.model)
     streams = [run_answers(server, engine, ids, g, body.session_id if len(prompts) == 1 else None,
-                           prompt_param='prompt' if len(prompts) == 1 else f'prompt.{i}')
+                           prompt_param='prompt' if len(prompts) == 1 else f'prompt.{i}', adapter=adapter)
                for i, (ids, g) in enumerate(zip(prompts, gens))]
     rid = f'cmpl-{secrets.token_hex(12)}'
     echo = [engine.decode(ids, skip_special_tokens=False) if not isinstance(body.prompt, str)
@@ -82,7 +83,7 @@ class CompletionStream:
         self.server, self.body, self.rid, self.echo, self.timer = server, body, rid, echo, timer
         self.n, self.n_prompts, self.prompts = n, len(prompts), prompts
         self.created = int(time.time())
-        self.model = server.config.model_name
+        self.model = server.model_label(body.model)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.usages = [Usage() for _ in range(self.n_prompts)]
         self.offsets = [0] * (n * self.n_prompts)

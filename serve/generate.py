@@ -59,6 +59,8 @@ async def run_generate(request: Request, server: Server, engine: AsyncEngine, bo
     kwargs: dict[str, Any] = {}
     if sid >= 0:
         kwargs = dict(session_id=sid, sequence_start=not continuing, sequence_end=not body.interactive_mode)
+    if body.adapter_name is not None:
+        kwargs['adapter_name'] = server.check_model(body.adapter_name)
     timer = RequestTimer(server.metrics)
 
     async def stream():

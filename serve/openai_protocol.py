@@ -238,6 +238,7 @@ class GenerateRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=_U64)
     min_new_tokens: int = Field(0, ge=0)
     return_logprobs: bool = False
+    adapter_name: str | None = None  # LMDeploy's: a LoRA adapter the server serves (--adapters)
 
     @model_validator(mode='after')
     def _one_prompt(self):
@@ -307,3 +308,15 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal['float', 'base64'] = 'float'
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's ``/v1/load_lora_adapter``: serve the PEFT adapter in folder ``lora_path`` as ``lora_name``."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's ``/v1/unload_lora_adapter``."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's clients may send it; the name decides

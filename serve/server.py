@@ -176,11 +176,21 @@ class Server:
                                 'it answers POST /v1/embeddings, not text generation; start it with --task '
                                 'generate to generate', code='wrong_task')
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise APIError(404, f'the model {model!r} does not exist here; this server serves '
-                                f'{self.config.model_name!r} (GET /v1/models)', param='model',
-                           code='model_not_found')
+    def check_model(self, model: str | None, adapters: bool = True) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model), or a 404 naming what is
+        served; ``adapters`` False: a route that serves the base model only."""
+        if model is None or model == self.config.model_name:
+            return None
+        names = self.engine.adapter_names if self.engine is not None and adapters else []
+        if model in names:
+            return model
+        served = ', '.join(repr(n) for n in [self.config.model_name, *names])
+        raise APIError(404, f'the model {model!r} does not exist here; this server serves {served} '
+                            f'(GET /v1/models)', param='model', code='model_not_found')
+
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` an answer reports: the adapter the request named, else the served model's name."""
+        return self.check_model(model) or self.config.model_name
 
     # ---- running requests ------------------------------------------------------------------------
 

@@ -148,15 +148,18 @@ class RequestTimer:
 
 
 def run_answers(server: Server, engine: AsyncEngine, input_ids: list[int], gen: GenerationConfig,
-                session_id: int | None, prompt_param: str) -> AsyncIterator[Response]:
+                session_id: int | None, prompt_param: str, adapter: str | None = None) -> AsyncIterator[Response]:
     """The engine's stream of one prompt's ``n`` answers, run under the concurrency limit;
-    ``prompt_param``: the request field a prompt too long for the engine is blamed on."""
+    ``prompt_param``: the request field a prompt too long for the engine is blamed on; ``adapter``:
+    the LoRA adapter the request's ``model`` named (``Server.check_model``)."""
     if session_id is not None and session_id > MAX_USER_SESSION_ID:
         raise APIError(400, f'session_id must be at most {MAX_USER_SESSION_ID}', param='session_id')
 
     async def stream():
         async with server.slot():
             kwargs = {} if session_id is None or gen.n > 1 else {'session_id': session_id}
+            if adapter is not None:
+                kwargs['adapter_name'] = adapter
             try:
                 async for r in engine.generate_n(None, gen, input_ids=input_ids, stream_response=True, **kwargs):
                     yield r

@@ -286,12 +286,6 @@ def test_a_draft_is_cut_rather_than_evict_or_preempt():
     sch.check_invariants()
 
 
-def test_draft_target_is_refused_by_name(tiny):
-    cfg = TurbomindEngineConfig(speculative_config=SpeculativeConfig(method='draft_target', model=tiny[1]))
-    with pytest.raises(ValueError, match="'draft_target'"):
-        TurbomindEngine(tiny[1], cfg)
-
-
 # ---- SmolLM2: an input-grounded prompt ---------------------------------------------------------------
 
 TEXT = ('The lighthouse stood at the end of the rocky point, its white tower streaked with salt. Every evening the '

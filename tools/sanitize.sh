@@ -22,6 +22,7 @@ tests=(tests/test_native_kernels.py tests/test_quant_kernels.py tests/test_kv_qu
        tests/test_deepseek.py::test_latent_attention_kernel_matches_reference
        tests/test_deepseek.py::test_turbomind_teacher_forced_logits_match_hf
        tests/test_gpt_oss.py::test_turbomind_teacher_forced_logits_match_hf tests/test_olmo_glm.py
-       tests/test_prompt_logprobs.py tests/test_speculative.py tests/test_tm_speculative.py)
+       tests/test_prompt_logprobs.py tests/test_speculative.py tests/test_tm_speculative.py tests/test_tm_draft.py
+       tests/test_lora_kernel.py tests/test_tm_lora.py)
 # --capture=sys: a sanitizer report (written to fd 2) reaches the log instead of pytest's capture
 python -m pytest -q -p no:cacheprovider --capture=sys "${tests[@]}" "$@"

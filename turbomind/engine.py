@@ -10,8 +10,11 @@ made outputs (``outputs_fd``): a request added with an event loop has that loop 
 (``loop.add_reader``), so the step's outputs reach the loop with one thread wake and no thread
 in between. Requests without a loop are served by a reader thread that waits on the same fd
 (without the GIL); it runs only while such requests are in flight, or while no loop watches.
-Speculative decoding (``speculative_config``, method 'ngram') runs inside the C++ engine, drafts
-and verification alike (turbomind/README.md); its counters come with ``stats()``.
+Speculative decoding (``speculative_config``: method 'ngram', or 'draft_target' with a draft model
+built here as the model is and handed to C++) runs inside the C++ engine, drafts and verification
+alike (turbomind/README.md); its counters come with ``stats()``. LoRA adapters
+(``load_adapter``) live in the C++ model's slots; a request names one (``EngineRequest.adapter``) and
+its rows run it, its prefix-cache keys salted with the adapter's load.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
                         SessionTable, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
+from lmd.lora import LoraAdapter
 from lmd.messages import SpeculativeConfig, TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import resolve_dtype
@@ -55,9 +59,9 @@ class TurbomindEngine(Engine):
         if cfg.tp != 1:
             raise ValueError(f'TurbomindEngineConfig.tp={cfg.tp} is invalid: TurboMind runs on one device (tp=1)')
         spec = cfg.speculative_config
-        if spec is not None and spec.method != 'ngram':
+        if spec is not None and spec.method not in ('ngram', 'draft_target'):
             raise ValueError(f'TurbomindEngineConfig.speculative_config.method={spec.method!r} is not supported by '
-                             "TurboMind yet: use method='ngram', or backend='pytorch' for a draft model")
+                             "TurboMind: use method='ngram' or 'draft_target'")
         if cfg.device != 'cpu':
             raise ValueError(f"TurbomindEngineConfig.device={cfg.device!r} is invalid: this build of TurboMind has "
                              "CPU kernels only; use device='cpu'")
@@ -89,6 +93,10 @@ class TurbomindEngine(Engine):
         except ValueError as e:  # a tensor the C++ model cannot take
             raise ModelFormatError(f'{model_dir}: {e}') from None
         del tensors
+        # the draft model (method 'draft_target'), built as this one, over a KV cache of as many blocks
+        self.draft_model = None
+        if spec is not None and spec.method == 'draft_target':
+            self.draft_model = self._load_draft_model(spec.model, num_blocks, block_size, session_len)
         # torch's OpenMP workers from loading would sit idle beside the engine thread's and make
         # libgomp stop spinning between kernels (it throttles once it manages more threads than
         # CPUs): let them go; torch starts them again if it needs them
@@ -96,11 +104,14 @@ class TurbomindEngine(Engine):
         seed = int.from_bytes(os.urandom(8), 'little')
         self.cpp = _turbomind.Engine(self.model.cpp, cfg.max_batch_size, cfg.max_prefill_token_num or session_len,
                                      session_len, cfg.enable_prefix_caching, seed, window=mc.kv_window,
+                                     draft_model=None if self.draft_model is None else self.draft_model.cpp,
                                      **_speculative_kwargs(spec))
         self.model_info = ModelInfo(vocab_size=mc.vocab_size, session_len=session_len,
                                     eos_token_ids=mc.eos_token_ids, architecture=mc.architecture,
                                     model_format=self.model_format, hidden_size=mc.hidden_size)
         self._sessions = SessionTable(mc.vocab_size, session_len)
+        self._adapters = self._sessions.adapters  # lmd.lora.AdapterTable: names, slots, uids, who uses them
+        self._adapter_lock = threading.Lock()  # loads and unloads one at a time (load_adapter)
         self._lock = threading.Lock()
         self._callbacks: dict[int, tuple[OutputCallback, asyncio.AbstractEventLoop | None]] = {}  # behind _lock
         self._num_threaded = 0  # requests in flight without a loop: the reader thread serves them
@@ -115,6 +126,26 @@ class TurbomindEngine(Engine):
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
+    def _load_draft_model(self, path: str, num_blocks: int, block_size: int, session_len: int) -> TurbomindModel:
+        """The draft model of ``SpeculativeConfig(method='draft_target', model=path)``: any directory or GGUF
+        file this engine runs, read as it is (its own format: a GGUF drafting for a float model keeps its
+        4-bit matmuls), in this engine's dtype, KV-cache policy and activations. Its cache has the target's
+        block count and block size, so whatever context fits the target's cache fits the draft's (in the
+        draft's bytes per block: a smaller model's cache is smaller)."""
+        from lmd.model_path import prepare_model_dir
+        model_dir = prepare_model_dir(path)
+        dmc = ModelConfig.from_dir(model_dir)
+        if dmc.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f'SpeculativeConfig.model={path!r} is invalid: its vocabulary has {dmc.vocab_size} '
+                             f'tokens, the model\'s {self.model_config.vocab_size}; a draft model shares the tokenizer')
+        cfg = self.config
+        tensors, _ = load_fused(model_dir, dmc, self.dtype, None)
+        try:
+            return TurbomindModel.from_fused(dmc, tensors, self.dtype, num_blocks, block_size, cfg.quant_policy,
+                                             cfg.int8_activations, session_len)
+        except ValueError as e:
+            raise ModelFormatError(f'{model_dir} (the draft model): {e}') from None
+
     # ---- the Engine interface (any thread) ------------------------------------------------------------
 
     def add_request(self, request: EngineRequest, callback: OutputCallback,
@@ -122,7 +153,7 @@ class TurbomindEngine(Engine):
         with self._lock:
             if self._closed:
                 raise RuntimeError('the engine is closed')
-        self._sessions.admit(request, callback)
+        adapter = self._sessions.admit(request, callback)
         sp = request.sampling
         with self._lock:
             self._callbacks[request.session_id] = (callback, loop)
@@ -136,7 +167,9 @@ class TurbomindEngine(Engine):
             self._watch(loop)
         try:
             self.cpp.add(request.session_id, list(request.token_ids), sp.max_new_tokens, sp,
-                         request.sequence_start, request.sequence_end, request.constraint)
+                         request.sequence_start, request.sequence_end, request.constraint,
+                         adapter_slot=-1 if adapter is None else adapter.slot,
+                         adapter_uid=0 if adapter is None else adapter.uid)
         except BaseException:
             with self._lock:
                 self._callbacks.pop(request.session_id, None)
@@ -177,25 +210,65 @@ class TurbomindEngine(Engine):
         if watcher is not None:
             self._unwatch(watcher)
 
-    def get_logits(self, token_ids) -> torch.Tensor:
+    def get_logits(self, token_ids, adapter: str | None = None) -> torch.Tensor:
         """The Engine interface's scoring call: one forward on the calling thread, beside the engine's,
-        over a twin of the model with a KV cache of its own (the weights shared), dropped after."""
-        return self._run_alone(scored_token_ids(token_ids, self.model_info), 'forward')
+        over a twin of the model with a KV cache of its own (the weights and adapters shared), dropped after."""
+        return self._run_alone(scored_token_ids(token_ids, self.model_info), 'forward', adapter)
 
-    def get_hidden_states(self, token_ids) -> torch.Tensor:
+    def get_hidden_states(self, token_ids, adapter: str | None = None) -> torch.Tensor:
         """The Engine interface's embedding call: as ``get_logits``, the final norm's output in place
         of the logits (the C++ ``hidden_states``, the same pass without the head)."""
-        return self._run_alone(scored_token_ids(token_ids, self.model_info, 'get_hidden_states'), 'hidden_states')
+        return self._run_alone(scored_token_ids(token_ids, self.model_info, 'get_hidden_states'), 'hidden_states',
+                               adapter)
 
-    def _run_alone(self, ids: list[int], method: str) -> torch.Tensor:
-        """``ids`` as one sequence through the twin model's ``method``, every row kept."""
+    def _run_alone(self, ids: list[int], method: str, adapter: str | None) -> torch.Tensor:
+        """``ids`` as one sequence through the twin model's ``method``, every row kept; the adapter
+        ``adapter`` is held (not unloadable) for the call."""
         n, block_size = len(ids), self.model.block_size
         num_blocks = -(-n // block_size)
-        scorer = self.model.with_own_cache(num_blocks)
-        # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
-        rows = torch.arange(n)
-        tables = torch.arange(num_blocks, dtype=torch.int32).expand(n, -1).contiguous()
-        return getattr(scorer, method)(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows)
+        entry = self._adapters.acquire(adapter) if adapter is not None else None
+        try:
+            scorer = self.model.with_own_cache(num_blocks)
+            # one sequence in blocks 0, 1, ... in order: token t sits in slot t and sees tokens 0..t
+            rows = torch.arange(n)
+            tables = torch.arange(num_blocks, dtype=torch.int32).expand(n, -1).contiguous()
+            row_adapters = None if entry is None else torch.full((n,), entry.slot, dtype=torch.int32)
+            return getattr(scorer, method)(torch.tensor(ids), rows, rows, tables, (rows + 1).to(torch.int32), rows,
+                                           row_adapters)
+        finally:
+            if entry is not None:
+                self._adapters.release(entry.name)
+
+    # ---- LoRA adapters (lmd.lora): their weights in the C++ model's slots, any thread ----------------
+
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` from now on: its weights go into the C++ model's free slot first, then its
+        name into the table, so a request naming it never runs before its weights are in. Loads and
+        unloads take turns (``_adapter_lock``); steps running meanwhile take the C++ slots' mutex once
+        each (``AdapterSlots``)."""
+        with self._adapter_lock:
+            if adapter.name in self._adapters.names():
+                raise ValueError(f'an adapter named {adapter.name!r} is already loaded; unload it first')
+            # the slot AdapterTable.add picks: the smallest one no loaded adapter holds
+            used = {self._adapters.get(name).slot for name in self._adapters.names()}
+            slot = next(i for i in range(len(used) + 1) if i not in used)
+            self.model.set_adapter(slot, adapter)
+            try:
+                entry = self._adapters.add(adapter)
+                if entry.slot != slot:  # AdapterTable's rule changed under us: a bug, not bad input
+                    self._adapters.remove(adapter.name)
+                    raise RuntimeError(f'adapter {adapter.name!r} got slot {entry.slot}, its weights are in {slot}')
+            except BaseException:
+                self.model.clear_adapter(slot)
+                raise
+
+    def unload_adapter(self, name: str) -> None:
+        with self._adapter_lock:
+            entry = self._adapters.remove(name)  # ValueError while requests or kept sessions use it
+            self.model.clear_adapter(entry.slot)
+
+    def adapter_names(self) -> list[str]:
+        return self._adapters.names()
 
     def __enter__(self):
         return self
@@ -268,7 +341,7 @@ class TurbomindEngine(Engine):
 
 
 def _speculative_kwargs(spec: SpeculativeConfig | None) -> dict:
-    """The C++ engine's speculative-decoding settings (n-gram prompt lookup; none: off)."""
+    """The C++ engine's speculative-decoding settings (none: off; the draft model goes separately)."""
     if spec is None:
         return {}
     return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,

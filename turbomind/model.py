@@ -4,13 +4,15 @@ Weights are fused by the weights layer (``lmd.weights.schema.fuse_weights``: q/k
 ``qkv``, gate/up into one ``gate_up``; quantized matmuls as ``<name>.qweight/.scales[/.mins]``,
 ``lmd.weights.quant_layouts``), packed here into the panels TurboMind's GEMM reads
 (``pack_matmuls``) and handed to C++ as DLPack views; this object keeps the torch tensors
-alive for as long as the C++ model reads them. The KV cache lives in C++. A directory
+alive for as long as the C++ model reads them. The KV cache lives in C++, and so do the LoRA
+adapters' weights (``set_adapter`` copies them; the model's twins share them). A directory
 ``lmd convert --backend turbomind`` wrote holds the fused tensors already
 (``lmd.weights.turbomind_layout``; ``TurbomindModel.from_fused``).
 """
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -24,6 +26,9 @@ from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 from lmd.kernels import ops
 
 from . import _turbomind
+
+if TYPE_CHECKING:
+    from lmd.lora import LoraAdapter
 
 SMALL_TENSOR_BYTES = 16 << 20
 # the float matmuls [N, K] of a layer, dense or sparse (lmd.weights.moe), that run packed
@@ -160,7 +165,26 @@ class TurbomindModel:
         thread) and never touches this model's cache (``TurbomindEngine.get_logits``)."""
         twin = copy.copy(self)
         twin.cpp = self._new_cpp(num_blocks)
+        twin.cpp.share_adapters(self.cpp)  # and the LoRA adapters, as they are loaded and unloaded
         return twin
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (``lmd.lora.load_lora_adapter``) in slot ``slot``: its A and B in the model
+        dtype, copied into C++ memory of the adapter's own (so this object keeps no tensors for it; a
+        step in flight keeps the weights it reads alive itself). ValueError when it does not fit."""
+        if len(adapter.layers) != self.config.num_layers:
+            raise ValueError(f'adapter {adapter.name!r} has {len(adapter.layers)} layers; the model has '
+                             f'{self.config.num_layers}')
+        layers = [{name: (to_dlpack(w.a.to(self.dtype).contiguous()), to_dlpack(w.b.to(self.dtype).contiguous()))
+                   for name, w in layer.items()} for layer in adapter.layers]
+        try:
+            self.cpp.set_adapter(slot, layers)
+        except ValueError as e:
+            raise ValueError(f'adapter {adapter.name!r} does not fit the model: {e}') from None
+
+    def clear_adapter(self, slot: int) -> None:
+        """Empty slot ``slot``: rows naming it run the base model; its weights go once no step reads them."""
+        self.cpp.clear_adapter(slot)
 
     @property
     def num_w4a16(self) -> int:
@@ -168,20 +192,24 @@ class TurbomindModel:
         return sum(f == 'w4a16' for n, f in self.linear_formats.items() if n != 'lm_head')
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """All int tensors contiguous (int64, except row_tables/row_lens int32); float32 logits [R, V]."""
-        return self._step(self.cpp.forward, self.config.vocab_size, token_ids, positions, slots, row_tables,
-                          row_lens, logit_rows)
+                row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor,
+                row_adapters: torch.Tensor | None = None) -> torch.Tensor:
+        """All int tensors contiguous (int64, except row_tables/row_lens int32); float32 logits [R, V].
+        ``row_adapters``: None, or int32 [T], each row's LoRA adapter slot (``set_adapter``; -1: none)."""
+        return self._step(self.cpp.forward, self.config.vocab_size, row_adapters, token_ids, positions, slots,
+                          row_tables, row_lens, logit_rows)
 
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+                      row_tables: torch.Tensor, row_lens: torch.Tensor, logit_rows: torch.Tensor,
+                      row_adapters: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` without the head: float32 [R, hidden_size], the final norm's output of logit_rows."""
-        return self._step(self.cpp.hidden_states, self.config.hidden_size, token_ids, positions, slots, row_tables,
-                          row_lens, logit_rows)
+        return self._step(self.cpp.hidden_states, self.config.hidden_size, row_adapters, token_ids, positions, slots,
+                          row_tables, row_lens, logit_rows)
 
     @staticmethod
-    def _step(run, width: int, *tensors: torch.Tensor) -> torch.Tensor:
+    def _step(run, width: int, row_adapters: torch.Tensor | None, *tensors: torch.Tensor) -> torch.Tensor:
         """``run`` (a step of the C++ model) on the tensors' DLPack views, into float32 [rows of the last, width]."""
         out = torch.empty((tensors[-1].numel(), width), dtype=torch.float32)
-        run(*(to_dlpack(t) for t in tensors), to_dlpack(out))
+        run(*(to_dlpack(t) for t in tensors), to_dlpack(out),
+            row_adapters=None if row_adapters is None else to_dlpack(row_adapters))
         return out

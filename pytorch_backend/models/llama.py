@@ -236,7 +236,8 @@ class CausalLM:
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         delta = None
-        for layer, cache in zip(self.layers, ctx.kv_caches):
+        lora = ctx.lora
+        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
             k_cache, v_cache = cache[0], cache[1]
             kv_params = {} if len(cache) == 2 else dict(k_params=cache[2], v_params=cache[3])
             # attention block
@@ -247,6 +248,8 @@ class CausalLM:
             else:
                 x = add_rms_norm(delta, residual, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
+            if lora is not None:
+                lora.add(i, 'qkv', x, qkv)
             cos_sin = self.cos_sin_local if layer.local_rope else self.cos_sin_cache
             if layer.q_norm is None and layer.rope:
                 q = kern.rope_fill_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
@@ -256,7 +259,10 @@ class CausalLM:
                                           kv_params)
             o = paged_attention(q, k_cache, v_cache, ctx, scale, window=layer.window, softcap=softcap,
                                 sinks=layer.sinks, **kv_params)
-            delta = linear(o.reshape(num_tokens, q_size), layer.o)
+            o = o.reshape(num_tokens, q_size)
+            delta = linear(o, layer.o)
+            if lora is not None:
+                lora.add(i, 'o', o, delta)
             if layer.attn_out_norm is not None:
                 delta = rms_norm(delta, layer.attn_out_norm, eps)
             # MLP block
@@ -264,8 +270,14 @@ class CausalLM:
                 x = residual.add_(delta)
             else:
                 x = add_rms_norm(delta, residual, layer.post_norm, eps)
-            if layer.moe is None:
+            if layer.moe is None and lora is None:
                 delta = linear(act_and_mul(linear(x, layer.gate_up)), layer.down)
+            elif layer.moe is None:
+                gate_up = linear(x, layer.gate_up)
+                lora.add(i, 'gate_up', x, gate_up)
+                act = act_and_mul(gate_up)
+                delta = linear(act, layer.down)
+                lora.add(i, 'down', act, delta)
             else:
                 delta = layer.moe(x)
             if layer.mlp_out_norm is not None:

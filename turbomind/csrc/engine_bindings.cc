@@ -57,6 +57,7 @@ void bind_block_manager(py::module_ & m) {
         .def_readwrite("num_computed_tokens", &BlockSequence::num_computed_tokens)
         .def_readwrite("block_ids", &BlockSequence::block_ids, "writable only for tests (a forged double free)")
         .def_readonly("block_hashes", &BlockSequence::block_hashes)
+        .def_readwrite("adapter_uid", &BlockSequence::adapter_uid, "the LoRA adapter load whose chain its keys start (0: none)")
         .def_property_readonly("num_tokens", &BlockSequence::num_tokens)
         .def("append_token", [](BlockSequence & s, int32_t t) { s.token_ids.push_back(t); });
 
@@ -83,11 +84,11 @@ void bind_block_manager(py::module_ & m) {
         .def_property_readonly("num_prefix_query_tokens", &BlockManager::num_prefix_query_tokens)
         .def("blocks_needed", &BlockManager::blocks_needed, py::arg("num_tokens"))
         .def("match_prefix",
-             [](const BlockManager & bm, const std::vector<int32_t> & token_ids) {
-                 PrefixMatch hit = bm.match_prefix(token_ids);
+             [](const BlockManager & bm, const std::vector<int32_t> & token_ids, uint64_t salt) {
+                 PrefixMatch hit = bm.match_prefix(token_ids, salt);
                  return py::make_tuple(hit.block_ids, hit.num_cached_tokens);
              },
-             py::arg("token_ids"))
+             py::arg("token_ids"), py::arg("salt") = 0, "salt: the sequence's adapter_uid")
         .def("allocate",
              [](BlockManager & bm, BlockSequence & seq, int64_t num_tokens, const std::vector<int32_t> & prefix) {
                  if (num_tokens < 0) fail("allocate: num_tokens must be >= 0, got " + std::to_string(num_tokens));
@@ -136,6 +137,7 @@ void bind_block_manager(py::module_ & m) {
         return block_key(parent, tokens.data(), (int64_t) tokens.size());
     }, py::arg("parent"), py::arg("token_ids"));
     m.attr("ROOT_KEY") = kRootKey;
+    m.def("root_key", &root_key, py::arg("salt"), "the parent key of a first block: ROOT_KEY for salt 0");
 }
 
 // ---- sampler

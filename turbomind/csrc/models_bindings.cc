@@ -35,7 +35,7 @@ PyLlamaModel * make_model(const py::dict & cfg, const py::dict & tensors, const 
 // One step into out: logits [R, vocab] or, with hidden, the final norm's output [R, hidden_size]
 // (LlamaModel::hidden_states).
 void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle slots_h, py::handle tables_h,
-             py::handle lens_h, py::handle rows_h, py::handle out_h, bool hidden) {
+             py::handle lens_h, py::handle rows_h, py::handle out_h, bool hidden, py::handle adapters_h) {
     const LlamaModel & m = *self.model;
     const TensorView ids = view_of(ids_h, "token_ids"), pos = view_of(pos_h, "positions");
     const TensorView slots = view_of(slots_h, "slots"), tables = view_of(tables_h, "row_tables");
@@ -70,6 +70,15 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
             if (blk < 0 || blk >= m.num_blocks()) fail("row_tables[" + std::to_string(t) + ", " + std::to_string(b) + "] = " + std::to_string(blk) + " is not a block");
         }
     }
+    const int32_t * row_adapters = nullptr;  // a row's slot names an adapter loaded (set_adapter) or -1
+    if (!adapters_h.is_none()) {
+        const TensorView ra = view_of(adapters_h, "row_adapters");
+        vec(ra, "row_adapters", DType::i32, T);
+        row_adapters = ra.ptr<int32_t>();
+        for (int64_t t = 0; t < T; ++t) {
+            if (row_adapters[t] < -1) fail("row_adapters[" + std::to_string(t) + "] = " + std::to_string(row_adapters[t]) + " is not a slot (-1: none)");
+        }
+    }
     for (int64_t r = 0; r < R; ++r) {
         const int64_t row = rows.ptr<int64_t>()[r];
         if (row < 0 || row >= T) fail("logit_rows[" + std::to_string(r) + "] = " + std::to_string(row) + " is not a row of the step");
@@ -89,12 +98,41 @@ void forward(PyLlamaModel & self, py::handle ids_h, py::handle pos_h, py::handle
     in.num_seqs = T;
     in.max_blocks = max_blocks;
     in.num_logit_rows = R;
+    in.row_adapters = row_adapters;
     py::gil_scoped_release release;
     if (hidden) {
         self.model->hidden_states(in, out.ptr<float>());
     } else {
         self.model->forward(in, out.ptr<float>());
     }
+}
+
+// layers: per layer a dict {'qkv' | 'o' | 'gate_up' | 'down': (A, B)} of DLPack capsules or HostTensors,
+// viewed here and copied by LlamaModel::set_adapter (which checks them).
+void set_adapter(PyLlamaModel & self, int32_t slot, const py::sequence & layers) {
+    LoraAdapterWeights w;
+    for (py::handle layer : layers) {
+        const py::dict d = py::reinterpret_borrow<py::dict>(layer);
+        LoraLayerWeights lw;
+        const std::pair<const char *, cpu::LoraWeights LoraLayerWeights::*> names[] = {
+            {"qkv", &LoraLayerWeights::qkv}, {"o", &LoraLayerWeights::o},
+            {"gate_up", &LoraLayerWeights::gate_up}, {"down", &LoraLayerWeights::down}};
+        for (const auto & [name, field] : names) {
+            if (!d.contains(name)) continue;
+            const py::tuple ab = d[name].cast<py::tuple>();
+            if (ab.size() != 2) fail(std::string("set_adapter: ") + name + " must be a pair (A, B)");
+            lw.*field = {view_of(ab[0], "A"), view_of(ab[1], "B")};
+        }
+        for (auto item : d) {
+            const std::string key = item.first.cast<std::string>();
+            if (key != "qkv" && key != "o" && key != "gate_up" && key != "down") {
+                fail("set_adapter: " + key + " is not a matmul LoRA adapts (qkv, o, gate_up, down)");
+            }
+        }
+        w.layers.push_back(lw);
+    }
+    py::gil_scoped_release release;  // the copy, and the wait for a step's snapshot
+    self.model->set_adapter(slot, w);
 }
 
 // A request's lmd.guided.TokenConstraint, held by the engine. Dropped with the GIL, from whichever
@@ -147,6 +185,7 @@ struct PyConstraintOps : ConstraintOps {
 // The engine plus the model object it runs (which keeps the weights alive).
 struct PyEngine {
     py::object model;
+    py::object draft_model;  // None, or the LlamaModel that drafts (its weights' owners kept alive)
     std::unique_ptr<Engine> engine;
     ~PyEngine() {
         // the engine thread may be waiting for the GIL (a constrained step, or a constraint dropped)
@@ -226,18 +265,31 @@ void bind_models(py::module_ & m) {
              "packed lm_head (tied).")
         .def("forward",
              [](PyLlamaModel & self, py::handle ids, py::handle pos, py::handle slots, py::handle tables, py::handle lens,
-                py::handle rows, py::handle logits) { forward(self, ids, pos, slots, tables, lens, rows, logits, false); },
+                py::handle rows, py::handle logits, py::handle adapters) {
+                 forward(self, ids, pos, slots, tables, lens, rows, logits, false, adapters);
+             },
              py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
-             py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"),
+             py::arg("row_lens"), py::arg("logit_rows"), py::arg("logits"), py::arg("row_adapters") = py::none(),
              "Run one step: every row's K/V into its slot, attention over row_lens[t] tokens of row_tables[t]; "
-             "logits[R, vocab] (float32) for logit_rows.")
+             "logits[R, vocab] (float32) for logit_rows. row_adapters: None, or int32 [T], the LoRA adapter slot "
+             "each row runs (-1: none; set_adapter).")
         .def("hidden_states",
              [](PyLlamaModel & self, py::handle ids, py::handle pos, py::handle slots, py::handle tables, py::handle lens,
-                py::handle rows, py::handle hidden) { forward(self, ids, pos, slots, tables, lens, rows, hidden, true); },
+                py::handle rows, py::handle hidden, py::handle adapters) {
+                 forward(self, ids, pos, slots, tables, lens, rows, hidden, true, adapters);
+             },
              py::arg("token_ids"), py::arg("positions"), py::arg("slots"), py::arg("row_tables"),
-             py::arg("row_lens"), py::arg("logit_rows"), py::arg("hidden"),
+             py::arg("row_lens"), py::arg("logit_rows"), py::arg("hidden"), py::arg("row_adapters") = py::none(),
              "forward without the head: hidden[R, hidden_size] (float32), the final norm's output for logit_rows "
              "(what an embedder pools).")
+        .def("set_adapter", &set_adapter, py::arg("slot"), py::arg("layers"),
+             "Serve a LoRA adapter in slot (>= 0): layers, one dict a layer {'qkv' | 'o' | 'gate_up' | 'down': (A [R, K], "
+             "B [N, R])} in the model dtype, the scale folded into B; copied (the caller may drop its tensors). "
+             "ValueError naming what does not fit the model. Safe while an engine runs this model.")
+        .def("clear_adapter", [](PyLlamaModel & self, int32_t slot) { self.model->clear_adapter(slot); },
+             py::arg("slot"), "Empty slot: rows naming it run the base model.")
+        .def("share_adapters", [](PyLlamaModel & self, const PyLlamaModel & other) { self.model->share_adapters(*other.model); },
+             py::arg("other"), "Serve other's adapter slots, now and as they change (a twin over the same weights).")
         .def_property_readonly("num_blocks", [](const PyLlamaModel & s) { return s.model->num_blocks(); })
         .def_property_readonly("block_size", [](const PyLlamaModel & s) { return s.model->block_size(); })
         .def_property_readonly("kv_bytes", [](const PyLlamaModel & s) { return s.model->kv_bytes(); })
@@ -246,8 +298,19 @@ void bind_models(py::module_ & m) {
     py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
         .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,
                          bool enable_prefix_caching, uint64_t sampler_seed, int64_t window, int32_t num_speculative_tokens,
-                         int32_t prompt_lookup_min, int32_t prompt_lookup_max) {
+                         int32_t prompt_lookup_min, int32_t prompt_lookup_max, py::object draft_model) {
                  PyLlamaModel & pm = model.cast<PyLlamaModel &>();
+                 std::shared_ptr<LlamaModel> draft;
+                 if (!draft_model.is_none()) {
+                     if (!py::isinstance<PyLlamaModel>(draft_model)) fail("Engine: draft_model must be a LlamaModel or None");
+                     draft = draft_model.cast<PyLlamaModel &>().model;
+                     if (draft->config().vocab_size != pm.model->config().vocab_size) {
+                         fail("Engine: draft_model's vocabulary has " + std::to_string(draft->config().vocab_size) +
+                              " tokens, the model's " + std::to_string(pm.model->config().vocab_size) +
+                              "; a draft model shares the tokenizer");
+                     }
+                     if (num_speculative_tokens < 1) fail("Engine: a draft_model needs num_speculative_tokens >= 1");
+                 }
                  if (max_batch_size < 1 || max_num_batched_tokens < 1 || session_len < 2 || window < 0) {
                      fail("Engine: max_batch_size and max_num_batched_tokens must be >= 1, session_len >= 2, "
                           "window >= 0");
@@ -269,17 +332,21 @@ void bind_models(py::module_ & m) {
                  c.num_speculative_tokens = num_speculative_tokens;
                  c.prompt_lookup_min = prompt_lookup_min;
                  c.prompt_lookup_max = prompt_lookup_max;
-                 auto e = new PyEngine{model, nullptr};
-                 e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>());
+                 auto e = new PyEngine{model, draft_model, nullptr};
+                 e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>(), draft);
                  return e;
              }),
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
              py::arg("enable_prefix_caching"), py::arg("sampler_seed"), py::arg("window") = 0,
              py::arg("num_speculative_tokens") = 0, py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4,
+             py::arg("draft_model") = py::none(),
              "num_speculative_tokens > 0: speculative decoding, each decoding sequence drafts up to that many tokens "
-             "a step by n-gram prompt lookup (prompt_lookup_max down to prompt_lookup_min tokens matched)")
+             "a step by n-gram prompt lookup (prompt_lookup_max down to prompt_lookup_min tokens matched), or, with "
+             "draft_model (a LlamaModel of the same vocabulary, its KV cache the drafts' alone), by its greedy "
+             "continuation")
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
-                       py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint) {
+                       py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint,
+                       int32_t adapter_slot, uint64_t adapter_uid) {
                  Request r;
                  if (!constraint.is_none()) {
                      const int64_t vocab = self.model.cast<PyLlamaModel &>().model->config().vocab_size;
@@ -300,11 +367,17 @@ void bind_models(py::module_ & m) {
                  r.sampling = sampling_params_from_python(sampling);
                  r.sequence_start = sequence_start;
                  r.sequence_end = sequence_end;
+                 if (adapter_slot < -1) fail("adapter_slot must be a slot (>= 0) or -1 (none), got " + std::to_string(adapter_slot));
+                 r.adapter_slot = adapter_slot;
+                 r.adapter_uid = adapter_slot >= 0 ? adapter_uid : 0;
                  self.engine->add(std::move(r));
              },
              py::arg("session_id"), py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("sampling"),
              py::arg("sequence_start") = true, py::arg("sequence_end") = true, py::arg("constraint") = py::none(),
-             "constraint: None, or the request's lmd.guided.TokenConstraint (structured output)")
+             py::arg("adapter_slot") = -1, py::arg("adapter_uid") = 0,
+             "constraint: None, or the request's lmd.guided.TokenConstraint (structured output); adapter_slot: the "
+             "LoRA adapter its rows run (LlamaModel.set_adapter; -1: none), adapter_uid: that load's uid (salts its "
+             "prefix-cache keys)")
         .def("abort", [](PyEngine & self, int64_t sid) { self.engine->abort(sid); }, py::arg("session_id"))
         .def("end", [](PyEngine & self, int64_t sid) { self.engine->end(sid); }, py::arg("session_id"))
         .def("wait_outputs", [](PyEngine & self, double timeout_s) {
@@ -344,6 +417,17 @@ void bind_models(py::module_ & m) {
                  d["spec_num_accepted_tokens"] = s.spec_num_accepted_tokens;
                  return d;
              })
+        .def("draft_stats", [](PyEngine & self) {
+                 EngineStats s = self.engine->stats();
+                 py::dict d;
+                 d["num_total_blocks"] = s.draft_num_total_blocks;
+                 d["num_free_blocks"] = s.draft_num_free_blocks;
+                 d["num_shadows"] = s.draft_num_shadows;
+                 d["num_skipped"] = s.draft_num_skipped;
+                 return d;
+             },
+             "the draft model's KV cache (all 0 without one): its blocks, those free, the sequences it shadows, "
+             "and the drafts skipped for want of free blocks")
         .def("set_check_blocks", [](PyEngine & self, bool on) { self.engine->set_check_blocks(on); }, py::arg("on"),
              "test hook: check the KV blocks' accounting after every step (blocks_error holds the first violation)")
         .def_property_readonly("blocks_error", [](PyEngine & self) -> py::object {

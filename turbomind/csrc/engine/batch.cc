@@ -11,6 +11,7 @@ const StepInputs & Batch::build(const SchedulerOutput & out, int64_t block_size,
     logit_rows_.clear();
     row_seqs_.clear();
     row_lens_.clear();
+    row_adapters_.clear();
     sampled_.clear();
     prompt_rows_.clear();
     std::vector<int64_t> prompt_logit_rows;  // the token rows of prompt_rows_, to follow the sampled ones
@@ -19,8 +20,10 @@ const StepInputs & Batch::build(const SchedulerOutput & out, int64_t block_size,
 
     const int64_t num_seqs = static_cast<int64_t>(out.seqs.size());
     int64_t max_blocks = 0;
+    bool adapters = false;
     for (const Sequence * seq : out.seqs) {
         max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(seq->blocks.block_ids.size()));
+        adapters = adapters || seq->adapter_slot >= 0;
     }
     block_tables_.assign(static_cast<size_t>(num_seqs * max_blocks), 0);
 
@@ -36,6 +39,7 @@ const StepInputs & Batch::build(const SchedulerOutput & out, int64_t block_size,
             slots_.push_back(static_cast<int64_t>(b.block_ids[pos / block_size]) * block_size + pos % block_size);
             row_seqs_.push_back(static_cast<int32_t>(s));
             row_lens_.push_back(static_cast<int32_t>(pos + 1));
+            if (adapters) row_adapters_.push_back(seq->adapter_slot);
         }
         const SeqRows wants = rows ? (*rows)[s] : SeqRows{};
         if (wants.prompt_logprobs_from >= 0) {  // positions [first, last) score the prompt tokens after them
@@ -70,6 +74,7 @@ const StepInputs & Batch::build(const SchedulerOutput & out, int64_t block_size,
     inputs_.row_lens = row_lens_.data();
     inputs_.block_tables = block_tables_.data();
     inputs_.logit_rows = logit_rows_.data();
+    inputs_.row_adapters = adapters ? row_adapters_.data() : nullptr;
     inputs_.num_tokens = static_cast<int64_t>(token_ids_.size());
     inputs_.num_seqs = num_seqs;
     inputs_.max_blocks = max_blocks;

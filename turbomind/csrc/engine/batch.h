@@ -1,6 +1,7 @@
 // One step's model inputs, built from what the scheduler decided (llama.cpp's llama_batch /
 // ubatch): a row per scheduled token, each sequence's block table once, and which rows'
-// logits are sampled, then which are read as prompt logprobs, then which verify drafted tokens.
+// logits are sampled, then which are read as prompt logprobs, then which verify drafted tokens;
+// each row's LoRA adapter slot when any sequence of the step runs one.
 // The buffers are kept and reused step after step.
 #pragma once
 
@@ -50,6 +51,7 @@ private:
     StepInputs inputs_;
     std::vector<int64_t> token_ids_, positions_, slots_, logit_rows_;
     std::vector<int32_t> row_seqs_, row_lens_;
+    std::vector<int32_t> row_adapters_;  // filled only in a step where some sequence runs a LoRA adapter
     std::vector<int32_t> block_tables_;  // [num_seqs, max_blocks], zero padded
     std::vector<Sequence *> sampled_;
     std::vector<PromptRows> prompt_rows_;

@@ -26,6 +26,10 @@ uint64_t block_key(uint64_t parent, const int32_t * tokens, int64_t n) {
     return h;
 }
 
+uint64_t root_key(uint64_t salt) {
+    return salt == 0 ? kRootKey : mix64(mix64(kRootKey + kGolden) ^ mix64(salt + kGolden));
+}
+
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching, int64_t window)
     : num_blocks_(num_blocks), block_size_(block_size), enable_prefix_caching_(enable_prefix_caching), window_(window),
       ref_counts_(num_blocks, 0), lru_prev_(num_blocks + 1), lru_next_(num_blocks + 1), in_lru_(num_blocks, 0),
@@ -75,10 +79,10 @@ bool BlockManager::block_matches(int32_t b, uint64_t parent, const int32_t * tok
 
 // ---- the scheduler's interface
 
-PrefixMatch BlockManager::match_prefix(const int32_t * tokens, int64_t n) const {
+PrefixMatch BlockManager::match_prefix(const int32_t * tokens, int64_t n, uint64_t salt) const {
     PrefixMatch m;
     if (!enable_prefix_caching_) return m;
-    uint64_t parent = kRootKey;
+    uint64_t parent = root_key(salt);
     // start + block_size < n: a block ending on the last token is never matched
     for (int64_t start = 0; start + block_size_ < n; start += block_size_) {
         const uint64_t key = key_of(parent, tokens + start);
@@ -180,7 +184,7 @@ void BlockManager::cache_full_blocks(BlockSequence & seq) {
     const int64_t num_keyable = std::min<int64_t>(num_full, (int64_t) seq.block_ids.size());
     std::vector<uint64_t> & hashes = seq.block_hashes;
     if (num_keyable <= (int64_t) hashes.size()) return;
-    uint64_t parent = hashes.empty() ? kRootKey : hashes.back();
+    uint64_t parent = hashes.empty() ? root_key(seq.adapter_uid) : hashes.back();
     for (int64_t i = (int64_t) hashes.size(); i < num_keyable; ++i) {
         const int32_t * tokens = seq.token_ids.data() + i * block_size_;
         const uint64_t key = key_of(parent, tokens);

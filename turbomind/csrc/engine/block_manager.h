@@ -11,7 +11,8 @@
 //           sequences can share it)
 //
 // A full block's key is block_key(parent key, its token ids), a 64-bit hash chain starting at
-// kRootKey. The block's tokens and parent key are kept beside the key: a key hit whose tokens or
+// root_key(the sequence's adapter_uid): kRootKey for the base model, a root of its own for each
+// loaded LoRA adapter, so blocks computed with an adapter only ever serve its requests. The block's tokens and parent key are kept beside the key: a key hit whose tokens or
 // parent differ is a collision and counts as a miss. Only full, computed blocks are keyed.
 //
 // With a sliding window on every layer (Mistral), a sequence gives back the blocks no query of it
@@ -42,6 +43,8 @@ struct BlockSequence {
     std::vector<int32_t> block_ids;
     // hash chain of the leading full blocks (prefix-cache keys)
     std::vector<uint64_t> block_hashes;
+    // the LoRA adapter's load (lmd.lora.AdapterSlot.uid) its K/V is computed with; 0: the base model
+    uint64_t adapter_uid = 0;
 
     int64_t num_tokens() const { return (int64_t) token_ids.size(); }
 };
@@ -59,6 +62,9 @@ constexpr int32_t kReleased = -1;
 // The key of a full block: splitmix64-style mixing of the parent key, the token count and each
 // token id. Deterministic across runs and machines.
 uint64_t block_key(uint64_t parent, const int32_t * tokens, int64_t n);
+// The parent key of a sequence's first block: kRootKey for salt 0 (the base model), else a root
+// mixed from the salt (a LoRA adapter's uid; pytorch_backend/block_manager.py's _root_key).
+uint64_t root_key(uint64_t salt);
 
 class BlockManager {
 public:
@@ -91,10 +97,10 @@ public:
 
     // The cached blocks holding the longest run of full leading blocks of tokens[0, n). Takes no
     // reference: hand the ids to allocate() in the same step. At most n - 1 tokens match, so the
-    // last token is always recomputed (its logits are needed).
-    PrefixMatch match_prefix(const int32_t * tokens, int64_t n) const;
-    PrefixMatch match_prefix(const std::vector<int32_t> & tokens) const {
-        return match_prefix(tokens.data(), (int64_t) tokens.size());
+    // last token is always recomputed (its logits are needed). salt: the sequence's adapter_uid.
+    PrefixMatch match_prefix(const int32_t * tokens, int64_t n, uint64_t salt = 0) const;
+    PrefixMatch match_prefix(const std::vector<int32_t> & tokens, uint64_t salt = 0) const {
+        return match_prefix(tokens.data(), (int64_t) tokens.size(), salt);
     }
 
     // Give seq blocks for its first num_tokens tokens; false (and no change) if too few are left.

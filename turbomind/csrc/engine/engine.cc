@@ -10,13 +10,21 @@
 namespace turbomind {
 
 Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
-               std::shared_ptr<ConstraintOps> constraint_ops)
+               std::shared_ptr<ConstraintOps> constraint_ops, std::shared_ptr<LlamaModel> draft_model)
     : model_(std::move(model)),
       config_(config),
       constraint_ops_(std::move(constraint_ops)),
       blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.window),
       scheduler_(blocks_, config.max_batch_size, config.max_num_batched_tokens),
       sampler_(config.sampler_seed) {
+    if (draft_model) {
+        if (draft_model->config().vocab_size != model_->config().vocab_size) {
+            throw std::invalid_argument("Engine: the draft model's vocabulary has " +
+                                        std::to_string(draft_model->config().vocab_size) + " tokens, the model's " +
+                                        std::to_string(model_->config().vocab_size));
+        }
+        drafter_ = std::make_unique<DraftProposer>(std::move(draft_model), config.max_num_batched_tokens);
+    }
     update_stats();
     thread_ = std::thread([this] { loop(); });
 }
@@ -118,6 +126,7 @@ void Engine::loop() {
             }
             if (check_blocks_ && blocks_error_.empty()) {
                 std::string err = scheduler_.check_invariants();
+                if (err.empty() && drafter_) err = drafter_->check_invariants();
                 std::lock_guard<std::mutex> lock(mutex_);
                 blocks_error_ = std::move(err);
             }
@@ -188,6 +197,8 @@ void Engine::on_add(Request & r) {
         seq->session_id = sid;
         seq->blocks.token_ids = std::move(r.token_ids);
         seq->num_prompt_tokens = seq->num_tokens();
+        seq->adapter_slot = r.adapter_slot;
+        seq->blocks.adapter_uid = r.adapter_uid;
         seqs_[sid] = std::move(fresh);
         scheduler_.add(seq);
     } else {  // the next turn of a kept session
@@ -244,10 +255,13 @@ bool Engine::step() {
     return true;
 }
 
-// Before scheduling (speculative decoding): each decoding sequence's draft, prompt lookup in its
-// own context, no longer than its limits leave (all of it accepted, it ends exactly at a limit).
+// Before scheduling (speculative decoding): each decoding sequence's draft, no longer than its
+// limits leave (all of it accepted, it ends exactly at a limit): prompt lookup in its own context, or
+// the draft model's greedy continuation, every drafting sequence at once (draft.h).
 void Engine::propose_drafts() {
     if (config_.num_speculative_tokens <= 0) return;
+    if (drafter_) drafter_->retain(scheduler_.running());
+    std::vector<DraftRequest> requests;
     for (Sequence * s : scheduler_.running()) {
         EngineSequence * seq = of(s);
         const int64_t n = seq->num_tokens();
@@ -256,9 +270,14 @@ void Engine::propose_drafts() {
                                     seq->max_new_tokens - seq->num_generated_tokens() - 1,
                                     config_.session_len - n - 1});
         if (k <= 0) continue;
+        if (drafter_) {
+            requests.push_back({seq->session_id, &seq->blocks.token_ids, k, &seq->draft_token_ids});
+            continue;
+        }
         seq->draft_token_ids = lmd::cpu::ngram_propose(seq->blocks.token_ids.data(), n, config_.prompt_lookup_min,
                                                        config_.prompt_lookup_max, static_cast<int>(k));
     }
+    if (!requests.empty()) drafter_->propose(requests);
 }
 
 // The sampled sequences' tokens, in rounds: round 0 takes each one's next token from its first
@@ -474,6 +493,7 @@ void Engine::finish(EngineSequence * seq, Finish reason, std::vector<int32_t> to
     const bool keep = !seq->sequence_end && (reason == Finish::stop || reason == Finish::length || reason == Finish::abort);
     commit_draft(seq);  // a kept session keeps what its accepted drafts computed
     scheduler_.finish(seq, keep);
+    if (drafter_) drafter_->release(seq->session_id);  // a kept session's next turn catches up afresh
     const int64_t sid = seq->session_id;
     Output o;
     o.session_id = sid;
@@ -517,6 +537,12 @@ void Engine::update_stats() {
     stats_.spec_num_drafts = spec_num_drafts_;
     stats_.spec_num_draft_tokens = spec_num_draft_tokens_;
     stats_.spec_num_accepted_tokens = spec_num_accepted_tokens_;
+    if (drafter_) {
+        stats_.draft_num_total_blocks = drafter_->blocks().num_blocks();
+        stats_.draft_num_free_blocks = drafter_->blocks().num_free_blocks();
+        stats_.draft_num_shadows = drafter_->num_shadows();
+        stats_.draft_num_skipped = drafter_->num_skipped();
+    }
 }
 
 }  // namespace turbomind

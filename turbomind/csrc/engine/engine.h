@@ -33,7 +33,10 @@
 // else drawing from p without d, is drawing t ~ p and accepting iff t == d), so the distribution
 // is the model's. The accepted drafts' K/V counts as computed; the rest is garbage that later
 // tokens overwrite, and the blocks it took are given back (Scheduler::accept_draft). The step's
-// tokens of a sequence go out in one output.
+// tokens of a sequence go out in one output. With a draft model (vLLM's `draft_model`, LMDeploy's
+// `draft_target`) the drafts come from it instead (DraftProposer, engine/draft.h: its own paged KV
+// cache, a shadow per sequence, every drafting sequence in one forward pass per draft position);
+// verification is the same.
 #pragma once
 
 #include <atomic>
@@ -48,6 +51,7 @@
 
 #include "engine/batch.h"
 #include "engine/block_manager.h"
+#include "engine/draft.h"
 #include "engine/notifier.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
@@ -85,6 +89,10 @@ struct Request {
     bool sequence_start = true;
     bool sequence_end = true;
     std::unique_ptr<Constraint> constraint;  // structured output; null: none
+    // a LoRA adapter (lmd.lora.AdapterSlot): the model's slot its rows run (-1: none) and the uid of
+    // that load, which salts its prefix-cache keys. A kept session's later turns keep their first's.
+    int32_t adapter_slot = -1;
+    uint64_t adapter_uid = 0;
 };
 
 // New tokens of one request since its last output; finish is set on its last.
@@ -113,8 +121,8 @@ struct EngineConfig {
     bool enable_prefix_caching = false;
     int64_t window = 0;         // > 0: every layer's sliding window (blocks before it are given back)
     uint64_t sampler_seed = 0;  // the stream of requests without a random_seed
-    // speculative decoding (n-gram prompt lookup): drafted tokens a step (0: off), and the n-gram
-    // lengths matched (prompt_lookup_max down to prompt_lookup_min)
+    // speculative decoding: drafted tokens a step (0: off); by the draft model when the engine has
+    // one, else by n-gram prompt lookup over the lengths prompt_lookup_max down to prompt_lookup_min
     int32_t num_speculative_tokens = 0;
     int32_t prompt_lookup_min = 1, prompt_lookup_max = 4;
 };
@@ -126,13 +134,18 @@ struct EngineStats {
     int64_t num_preemptions = 0, num_prompt_tokens = 0, num_generated_tokens = 0;
     // speculative decoding, all time: drafted sequences, drafted tokens, drafted tokens accepted
     int64_t spec_num_drafts = 0, spec_num_draft_tokens = 0, spec_num_accepted_tokens = 0;
+    // the draft model's cache (0 without one): its blocks, those free, the sequences it shadows, and
+    // the drafts it skipped for want of free blocks (all time)
+    int64_t draft_num_total_blocks = 0, draft_num_free_blocks = 0, draft_num_shadows = 0, draft_num_skipped = 0;
 };
 
 class Engine {
 public:
-    // constraint_ops: serves requests that carry a Constraint (null: such requests are refused)
+    // constraint_ops: serves requests that carry a Constraint (null: such requests are refused);
+    // draft_model: speculative decoding drafts with it (its vocabulary the model's; the caller checks),
+    // its whole KV cache the drafts' (null: n-gram prompt lookup)
     Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
-           std::shared_ptr<ConstraintOps> constraint_ops = nullptr);
+           std::shared_ptr<ConstraintOps> constraint_ops = nullptr, std::shared_ptr<LlamaModel> draft_model = nullptr);
     ~Engine();
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
@@ -151,7 +164,8 @@ public:
     // Pending requests finish with abort; the thread stops. Idempotent.
     void close();
     bool closed() const;
-    // Test hook: check the blocks' accounting after every step (Scheduler::check_invariants);
+    // Test hook: check the blocks' accounting after every step (Scheduler::check_invariants, and the
+    // draft model's cache: DraftProposer::check_invariants);
     // blocks_error() is the first violation seen ("" if none).
     void set_check_blocks(bool on) { check_blocks_ = on; }
     std::string blocks_error() const;
@@ -212,6 +226,7 @@ private:
     Scheduler scheduler_;
     Batch batch_;
     Sampler sampler_;
+    std::unique_ptr<DraftProposer> drafter_;  // null: drafts by prompt lookup
 
     // engine thread only
     std::unordered_map<int64_t, std::unique_ptr<EngineSequence>> seqs_;

@@ -91,7 +91,7 @@ SchedulerOutput Scheduler::schedule() {
         int64_t num_computed = seq->blocks.num_computed_tokens;
         // admission from scratch: look in the prefix cache (unless the prompt's own rows are wanted)
         if (seq->blocks.block_ids.empty() && !seq->skip_reading_prefix_cache) {
-            prefix = blocks_.match_prefix(seq->blocks.token_ids);
+            prefix = blocks_.match_prefix(seq->blocks.token_ids, seq->blocks.adapter_uid);
             num_computed = prefix.num_cached_tokens;
         }
         const int64_t n = std::min(seq->num_tokens() - num_computed, budget);

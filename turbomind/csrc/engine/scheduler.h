@@ -43,6 +43,9 @@ struct Sequence {
     // speculative decoding: tokens drafted to follow the context, verified in this step with its
     // next token (set by the engine before schedule(), which may cut them; none outside a step)
     std::vector<int32_t> draft_token_ids;
+    // the LoRA adapter its rows run (LlamaModel's slot; -1: the base model); its uid, which salts its
+    // prefix-cache keys, is blocks.adapter_uid
+    int32_t adapter_slot = -1;
 
     virtual ~Sequence() = default;
     int64_t num_tokens() const { return blocks.num_tokens(); }

@@ -12,6 +12,7 @@
 #include "cpu/gemm.h"
 #include "cpu/gguf.h"
 #include "cpu/kernels.h"
+#include "cpu/lora.h"
 #include "cpu/quant.h"
 
 namespace turbomind {
@@ -139,6 +140,76 @@ LlamaModel::LlamaModel(const LlamaConfig & config, LlamaWeights weights, DType d
     }
 }
 
+// ---- LoRA adapters
+
+void AdapterSlots::set(int32_t slot, std::shared_ptr<const LoraAdapterWeights> weights) {
+    std::shared_ptr<const LoraAdapterWeights> old;  // let go after the lock: a step may still hold it
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slot >= static_cast<int32_t>(slots_.size())) slots_.resize(slot + 1);
+    old = std::move(slots_[slot]);
+    slots_[slot] = std::move(weights);
+}
+
+std::vector<std::shared_ptr<const LoraAdapterWeights>> AdapterSlots::snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return slots_;
+}
+
+void LlamaModel::set_adapter(int32_t slot, const LoraAdapterWeights & weights) {
+    const LlamaConfig & c = config_;
+    if (slot < 0) throw std::invalid_argument("set_adapter: slot " + std::to_string(slot) + " must be >= 0");
+    if (static_cast<int64_t>(weights.layers.size()) != c.num_layers) {
+        throw std::invalid_argument("the adapter has " + std::to_string(weights.layers.size()) + " layers; the model has " +
+                                    std::to_string(c.num_layers));
+    }
+    const int64_t H = c.hidden_size, qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    auto copy = std::make_shared<LoraAdapterWeights>();
+    copy->layers.resize(weights.layers.size());
+    // one matmul's pair, checked against [R, K] and [N, R], copied into memory of the adapter's own
+    auto take = [&](int64_t l, const char * name, const cpu::LoraWeights & w, int64_t N, int64_t K, bool allowed,
+                    cpu::LoraWeights & out) {
+        if (!w.a.data && !w.b.data) return;
+        const std::string where = "layer " + std::to_string(l) + " " + name + ": ";
+        if (!allowed) throw std::invalid_argument(where + "this layer has no such dense matmul (experts or latent attention)");
+        const TensorView & a = w.a, & b = w.b;
+        if (!a.data || !b.data) throw std::invalid_argument(where + "A and B come together");
+        auto dims = [](const TensorView & v) {
+            std::string d = "[";
+            for (int i = 0; i < v.ndim; ++i) d += (i ? ", " : "") + std::to_string(v.shape[i]);
+            return d + "]";
+        };
+        if (a.ndim != 2 || b.ndim != 2 || a.size(1) != K || b.size(0) != N || b.size(1) != a.size(0)) {
+            throw std::invalid_argument(where + "A " + dims(a) + " and B " + dims(b) + " do not fit [R, " +
+                                        std::to_string(K) + "] and [" + std::to_string(N) + ", R]");
+        }
+        if (a.dtype != dtype_ || b.dtype != dtype_ || !a.contiguous() || !b.contiguous()) {
+            throw std::invalid_argument(where + "A and B must be contiguous " + dtype_name(dtype_) + " (the model dtype)");
+        }
+        for (const TensorView * src : {&a, &b}) {
+            const size_t bytes = static_cast<size_t>(src->numel()) * dtype_size(dtype_);
+            copy->memory.emplace_back(new uint8_t[bytes]);
+            std::memcpy(copy->memory.back().get(), src->data, bytes);
+            TensorView & dst = src == &a ? out.a : out.b;
+            dst = *src;
+            dst.data = copy->memory.back().get();
+        }
+    };
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+        const LlamaLayerWeights & lw = weights_.layers[l];
+        const LoraLayerWeights & in = weights.layers[l];
+        LoraLayerWeights & out = copy->layers[l];
+        take(l, "qkv", in.qkv, qkv, H, !lw.mla, out.qkv);
+        take(l, "o", in.o, H, c.num_heads * c.head_dim, !lw.mla, out.o);
+        take(l, "gate_up", in.gate_up, 2 * c.intermediate_size, H, !lw.moe, out.gate_up);
+        take(l, "down", in.down, H, c.intermediate_size, !lw.moe, out.down);
+    }
+    adapters_->set(slot, std::move(copy));
+}
+
+void LlamaModel::clear_adapter(int32_t slot) {
+    if (slot >= 0) adapters_->set(slot, nullptr);
+}
+
 int64_t LlamaModel::row_bytes() const {
     const int64_t D = config_.head_dim;
     return quant_policy_ ? D * quant_policy_ / 8 : D * static_cast<int64_t>(dtype_size(dtype_));
@@ -211,6 +282,22 @@ void LlamaModel::hidden_states(const StepInputs & in, float * hidden) {
         const float s = load_f32(&rounded, 0, dtype_);
         for (int64_t i = 0; i < T * H; ++i) store_f32(residual.data, i, dtype_, load_f32(residual.data, i, dtype_) * s);
     }
+    // LoRA: the adapters of this step's rows, fixed for the whole step (AdapterSlots); y += its
+    // rows' (x Aᵀ) Bᵀ after a matmul, x as the matmul was handed it
+    std::vector<std::shared_ptr<const LoraAdapterWeights>> adapters;
+    if (in.row_adapters) adapters = adapters_->snapshot();
+    static thread_local std::vector<cpu::LoraWeights> lora_slots;
+    auto lora = [&](int64_t l, cpu::LoraWeights LoraLayerWeights::*matmul, const TensorView & x, const TensorView & y) {
+        if (adapters.empty()) return;
+        lora_slots.assign(adapters.size(), cpu::LoraWeights{});
+        bool any = false;
+        for (size_t s = 0; s < adapters.size(); ++s) {
+            if (!adapters[s]) continue;
+            lora_slots[s] = adapters[s]->layers[l].*matmul;
+            any = any || lora_slots[s].a.data != nullptr;
+        }
+        if (any) cpu::lora_apply(x, y, in.row_adapters, lora_slots.data(), static_cast<int64_t>(lora_slots.size()));
+    };
     const int64_t cache_shape[4] = {num_blocks_, block_size_, c.num_kv_heads, D};
     for (int64_t l = 0; l < c.num_layers; ++l) {
         const LlamaLayerWeights & w = weights_.layers[l];
@@ -238,7 +325,9 @@ void LlamaModel::hidden_states(const StepInputs & in, float * hidden) {
             mla_attention(*w.mla, w.o, c.num_heads, eps, scale, w.input_norm.data ? x : residual, pos, weights_.cos_sin,
                           cache, slots, tables, row_seqs, lens, delta, c.int8_activations);
         } else {
-            apply(w.input_norm.data ? x : residual, w.qkv, qkv, c.int8_activations);
+            const TensorView & attn_in = w.input_norm.data ? x : residual;
+            apply(attn_in, w.qkv, qkv, c.int8_activations);
+            lora(l, &LoraLayerWeights::qkv, attn_in, qkv);
             if (c.qk_norm) {  // in place, token by token: rows of [heads, D] (or of all heads at once) inside qkv
                 const int64_t q_rows = c.qk_norm_all_heads ? 1 : c.num_heads;
                 const int64_t k_rows = c.qk_norm_all_heads ? 1 : c.num_kv_heads;
@@ -260,6 +349,7 @@ void LlamaModel::hidden_states(const StepInputs & in, float * hidden) {
             cpu::paged_decode_attention(q, kc, vc, tables, row_seqs, lens, scale, attn, kv_quant, false, window,
                                         c.attn_softcap, w.sinks.data ? w.sinks.ptr<float>() : nullptr);
             apply(attn2d, w.o, delta, c.int8_activations);
+            lora(l, &LoraLayerWeights::o, attn2d, delta);
         }
         if (w.attn_out_norm.data) cpu::rms_norm(delta, w.attn_out_norm, eps, delta, nullptr);
         if (w.post_norm.data) {
@@ -272,12 +362,14 @@ void LlamaModel::hidden_states(const StepInputs & in, float * hidden) {
             moe_forward(*w.moe, mlp_in, delta, c.int8_activations);
         } else {
             apply(mlp_in, w.gate_up, gu, c.int8_activations);
+            lora(l, &LoraLayerWeights::gate_up, mlp_in, gu);
             if (c.gelu) {
                 cpu::gelu_tanh_and_mul(gu, act);
             } else {
                 cpu::silu_and_mul(gu, act);
             }
             apply(act, w.down, delta, c.int8_activations);
+            lora(l, &LoraLayerWeights::down, act, delta);
         }
         if (w.mlp_out_norm.data) cpu::rms_norm(delta, w.mlp_out_norm, eps, delta, nullptr);
     }

@@ -6,9 +6,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/tensor.h"
+#include "cpu/lora.h"
 
 namespace turbomind {
 
@@ -113,6 +115,34 @@ struct LlamaWeights {
     std::vector<LlamaLayerWeights> layers;
 };
 
+// A LoRA adapter (lmd/lora.py), per layer the (A, B) of each fused matmul it adapts: a [R, K] and
+// b [N, R] in the model dtype, the scale folded into b; a.data == nullptr where it adapts none. Added
+// to the matmul's output for the rows that run it (cpu::lora_apply), after any bias, on the matmul's
+// input as the layer hands it over (before a GPTQ permutation of x). Dense layers only: a mixture
+// of experts' MLP and latent attention have none.
+struct LoraLayerWeights {
+    cpu::LoraWeights qkv, o, gate_up, down;
+};
+
+struct LoraAdapterWeights {
+    std::vector<LoraLayerWeights> layers;  // one per layer
+    std::vector<std::unique_ptr<uint8_t[]>> memory;  // what the views point into (LlamaModel::set_adapter's copies)
+};
+
+// The adapters a model serves, by slot (lmd.lora.AdapterSlot.slot: small ints, reused after an
+// unload). Shared by a model and its twins (LlamaModel::share_adapters). Loading or unloading swaps
+// a slot's pointer under the mutex from any thread; a step takes the mutex once, for a snapshot of
+// the pointers, and the weights it reads stay alive with its snapshot until the step ends.
+class AdapterSlots {
+public:
+    void set(int32_t slot, std::shared_ptr<const LoraAdapterWeights> weights);  // null: empty the slot
+    std::vector<std::shared_ptr<const LoraAdapterWeights>> snapshot() const;
+
+private:
+    mutable std::mutex mutex_;
+    std::vector<std::shared_ptr<const LoraAdapterWeights>> slots_;
+};
+
 // What one forward pass runs: T token rows of S sequences, R rows of which want logits. A
 // sequence's block table is given once, however many of its rows the step runs (a prefill chunk
 // and decodes mix freely).
@@ -124,6 +154,8 @@ struct StepInputs {
     const int32_t * row_lens = nullptr;      // [T] tokens each row attends to (itself included)
     const int32_t * block_tables = nullptr;  // [S, max_blocks] each sequence's blocks, in order
     const int64_t * logit_rows = nullptr;    // [R] rows whose logits are wanted
+    // [T] the LoRA adapter slot each row runs (-1: the base model); nullptr when no row has one
+    const int32_t * row_adapters = nullptr;
     int64_t num_tokens = 0;
     int64_t num_seqs = 0;
     int64_t max_blocks = 0;
@@ -150,6 +182,14 @@ public:
     int quant_policy() const { return quant_policy_; }
     int64_t kv_bytes() const;
 
+    // LoRA adapters (AdapterSlots): `weights` (views, checked against the model's layers, shapes and
+    // dtype; std::invalid_argument naming what does not fit) copied into slot `slot`, which rows of
+    // StepInputs::row_adapters then run; any thread, while steps run.
+    void set_adapter(int32_t slot, const LoraAdapterWeights & weights);
+    void clear_adapter(int32_t slot);
+    // From now on this model serves other's adapters (a twin over the same weights, turbomind/model.py).
+    void share_adapters(const LlamaModel & other) { adapters_ = other.adapters_; }
+
 private:
     LlamaConfig config_;
     LlamaWeights weights_;
@@ -164,6 +204,7 @@ private:
     std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
     std::vector<std::unique_ptr<float[]>> k_params_, v_params_;
     int64_t row_bytes() const;  // bytes of one (token, head) row of K or V
+    std::shared_ptr<AdapterSlots> adapters_ = std::make_shared<AdapterSlots>();
 };
 
 }  // namespace turbomind

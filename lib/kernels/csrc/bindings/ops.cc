@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/dlpack.h"
 #include "core/py_tensor.h"
 #include "core/tensor.h"
 #include "bindings/kv_cache.h"
 #include "cpu/kernels.h"
+#include "cpu/lora.h"
 #include "cpu/ngram.h"
 
 namespace py = pybind11;
@@ -40,6 +42,47 @@ void linear(py::handle x_h, py::handle w_h, py::handle bias_h, py::handle y_h, b
     }
     py::gil_scoped_release release;
     cpu::linear(x, w, has_bias ? &bias : nullptr, y, reference);
+}
+
+// a, b: per slot, the adapter's A [R, K] and B [N, R] (each None where the adapter does not touch
+// this matmul); every slot a row names must be one of them.
+void lora_apply(py::handle x_h, py::handle y_h, py::handle slots_h, const py::sequence & a_h, const py::sequence & b_h,
+                bool reference) {
+    const TensorView x = view_of(x_h, "x"), y = view_of(y_h, "y"), rs = view_of(slots_h, "row_slots");
+    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype), "x", x,
+           "must be a float 2-D [T, K] tensor with unit stride in K");
+    expect(y.ndim == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && is_float(y.dtype), "y", y,
+           "must be a float [T, N] tensor with x's T rows and unit stride in N");
+    expect(rs.ndim == 1 && rs.dtype == DType::i32 && rs.contiguous() && rs.size(0) == x.size(0), "row_slots", rs,
+           "must be a contiguous int32 [T] tensor (-1: no adapter)");
+    if (py::len(a_h) != py::len(b_h)) {
+        fail("lora_apply: a has " + std::to_string(py::len(a_h)) + " slots and b " + std::to_string(py::len(b_h)));
+    }
+    const int64_t K = x.size(1), N = y.size(1), num_slots = static_cast<int64_t>(py::len(a_h));
+    std::vector<cpu::LoraWeights> slots(static_cast<size_t>(num_slots));
+    for (int64_t s = 0; s < num_slots; ++s) {
+        const py::handle ah = a_h[s], bh = b_h[s];
+        if (ah.is_none() != bh.is_none()) fail("lora_apply: slot " + std::to_string(s) + " has only one of a and b");
+        if (ah.is_none()) continue;
+        const std::string an = "a[" + std::to_string(s) + "]", bn = "b[" + std::to_string(s) + "]";
+        const TensorView a = view_of(ah, an.c_str()), b = view_of(bh, bn.c_str());
+        expect(a.ndim == 2 && a.contiguous() && is_float(a.dtype) && a.size(1) == K, an.c_str(), a,
+               "must be a contiguous float [R, " + std::to_string(K) + "] tensor (K: x's columns)");
+        expect(b.ndim == 2 && b.contiguous() && b.dtype == a.dtype && b.size(0) == N && b.size(1) == a.size(0),
+               bn.c_str(), b, "must be a contiguous [" + std::to_string(N) + ", " + std::to_string(a.size(0)) +
+               "] tensor with a's dtype (N: y's columns, R: a's rows)");
+        slots[s] = {a, b};
+    }
+    const int32_t * row_slots = rs.ptr<int32_t>();
+    for (int64_t t = 0; t < x.size(0); ++t) {
+        const int32_t s = row_slots[t];
+        if (s < -1 || s >= num_slots) {
+            fail("row_slots[" + std::to_string(t) + "] = " + std::to_string(s) + " is not -1 (no adapter) nor a slot 0.." +
+                 std::to_string(num_slots - 1));
+        }
+    }
+    py::gil_scoped_release release;
+    cpu::lora_apply(x, y, row_slots, slots.data(), num_slots, reference);
 }
 
 void paged_decode_attention(py::handle q_h, py::handle k_h, py::handle v_h, py::handle tables_h, py::handle lens_h,
@@ -185,6 +228,11 @@ void bind_ops(py::module_ & m) {
         .def_property_readonly("dtype", [](const HostTensor & t) { return dtype_name(t.view.dtype); });
     ops.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"),
             py::arg("reference") = false, "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]), accumulated in float32.");
+    ops.def("lora_apply", &lora_apply, py::arg("x"), py::arg("y"), py::arg("row_slots"), py::arg("a"), py::arg("b"),
+            py::arg("reference") = false,
+            "Multi-LoRA (cpu/lora.h): y[t] += (x[t] @ a[s].T) @ b[s].T for s = row_slots[t] (-1: none), in place; a "
+            "and b: per slot [R_s, K] and [N, R_s] (None: the adapter leaves this matmul alone). Runs of rows of one "
+            "slot are two small matmuls each, accumulated in float32 and added to y rounded once.");
     ops.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
             py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
             py::arg("reference") = false, py::arg("k_params") = py::none(), py::arg("v_params") = py::none(),
