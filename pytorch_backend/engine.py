@@ -155,6 +155,13 @@ class PytorchEngine(Engine):
         self._closing = False
         self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
 
+        # The kernel library's thread pool runs the model's heavy work on the CPU (kernels 'native'): torch's
+        # own ops on the engine thread (sampling, a drafted step's argmax, small tensors) then run on that
+        # thread alone. An OpenMP team of torch's beside the pool's workers, spinning after its region, takes
+        # their cores: a drafted step's [1 + k, vocab] argmax alone made every step ~1.6x slower.
+        threads = torch.get_num_threads()
+        self._torch_inline = device.type == 'cpu' and model.kernels.name == 'native' and threads > 1
+        self._torch_inline_set = threading.Event()
         if device.type == 'cpu':
             # the engine thread gets its own OpenMP team; the loading thread's idle one would make
             # libgomp stop spinning between kernels (see lmd.kernels.release_openmp_threads)
@@ -162,6 +169,11 @@ class PytorchEngine(Engine):
             kernels.release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name='lmd-pytorch-engine', daemon=True)
         self._thread.start()
+        if self._torch_inline:
+            # torch.set_num_threads(1) on the engine thread also set the count threads started later
+            # take; this thread's setting (the one it had) is that count again
+            self._torch_inline_set.wait()
+            torch.set_num_threads(threads)
 
     # ---- the Engine interface (any thread) -------------------------------------------------------------
 
@@ -308,6 +320,10 @@ class PytorchEngine(Engine):
     # ---- the engine thread ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._torch_inline:
+            torch.get_num_threads()  # torch's first call on a thread takes the process count: have it now
+            torch.set_num_threads(1)
+            self._torch_inline_set.set()
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -31,7 +31,7 @@ def test_dispatch_uses_avx2_here():
 # -- linear --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 16, 33, 70])
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 70])
 @pytest.mark.parametrize('N,K', [(1, 8), (7, 13), (96, 64), (250, 136), (1000, 576)])
 def test_linear(M, N, K, dtype):
     x, w, b = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2), rand(N, dtype=dtype, seed=3)
@@ -54,6 +54,10 @@ def test_linear_rows_do_not_depend_on_the_batch():
     batched = torch.empty(16, 300)
     ops.linear(dl(x), dl(w), None, dl(batched))
     assert torch.equal(alone[0], batched[5])
+    for m in range(2, 10):  # the few-rows tiles (a drafted step's rows) and the GEMM's
+        few = torch.empty(m, 300)
+        ops.linear(dl(x[:m]), dl(w), None, dl(few))
+        assert torch.equal(few, batched[:m]), m
     threads = ops.num_threads()
     try:
         ops.set_num_threads(1)

@@ -348,6 +348,26 @@ def test_close_aborts_pending_requests(tiny_models):
         engine.add_request(EngineRequest(9, (1,), SamplingParams()), col.callback)
 
 
+def test_engine_thread_leaves_the_cores_to_the_kernel_pool(tiny_models):
+    """With the kernel library's kernels on the CPU, torch's own ops on the engine thread run inline (an
+    OpenMP team of torch's would take the pool's cores); the building thread's count and the count later
+    threads take stay as they were."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip('torch runs one thread here: nothing to leave')
+    with tiny_engine(tiny_models) as engine:
+        assert engine.runner.model.kernels.name == 'native'
+        assert engine.call_on_engine_thread(lambda e: torch.get_num_threads()) == 1
+        assert torch.get_num_threads() == threads
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [threads]
+        toks, finals = generate(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=3))
+        assert len(toks[0]) == 3
+
+
 def test_cache_sizing_and_dtype(tiny_models, tmp_path):
     model, _ = tiny_models('llama')
     # sized from memory: a 64 KiB cap holds fewer blocks than one session needs, so it gets that many

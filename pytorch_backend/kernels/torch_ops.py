@@ -157,8 +157,8 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights
     [E, H, I], each token's experts topk_ids [T, k] and their weights topk_weights [T, k] -> [T, H].
     Options (gpt-oss): biases gate_up_bias [E, 2I] and down_bias [E, H] on each expert's matmuls, and
     ``clamped_swiglu`` at ``swiglu_limit`` in place of silu(gate) * up. Quantized experts: gate_up and down
-    are sequences of E matmuls as ``Kernels.prepare_linear`` made them, run by ``linear(rows, prepared)``
-    (a backend's ``Kernels.linear``).
+    (or float experts the backend runs itself) are sequences of E matmuls as ``Kernels.prepare_linear`` made
+    them, run by ``linear(rows, prepared)`` (a backend's ``Kernels.linear``), the biases added after.
 
     The (token, slot) pairs are sorted by expert (stably: within an expert, in token order), each
     expert with tokens runs its two matmuls over its rows at once, and the weighted rows are summed
@@ -174,7 +174,8 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights
 
     def matmul(h: torch.Tensor, weights, biases: torch.Tensor | None, expert: int) -> torch.Tensor:
         if linear is not None:
-            return linear(h, weights[expert])
+            y = linear(h, weights[expert])
+            return y if biases is None else y + biases[expert]
         return F.linear(h, weights[expert], None if biases is None else biases[expert])
 
     start = 0

@@ -74,7 +74,7 @@ class SparseMoe:
         options = {} if self.swiglu_limit is None and self.gate_up_bias is None else dict(
             gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, swiglu_limit=self.swiglu_limit,
             swiglu_alpha=self.swiglu_alpha)
-        if isinstance(self.gate_up, list):  # quantized experts, one prepared matmul each
+        if isinstance(self.gate_up, list):  # one prepared matmul an expert (quantized, or the native kernels')
             options['linear'] = kern.linear
         out = kern.moe(x, self.gate_up, self.down, weights, ids, **options)
         if self.shared is not None:
@@ -120,6 +120,9 @@ class MoeCausalLM(CausalLM):
             down = [matmul(f'experts.down.{e}') for e in range(config.moe.num_experts)]
         else:
             gate_up, down = (t.to(self.device) for t in stack_experts(config, weights, layer, self.dtype))
+            if kern.name == 'native':  # the kernel library's matmuls, on views of the stacks (its threads)
+                gate_up = [prepare_matmul(kern, w, None) for w in gate_up]
+                down = [prepare_matmul(kern, w, None) for w in down]
         biases = expert_biases(config, weights, layer, self.dtype)
         gate_up_bias, down_bias = (None, None) if biases is None else (b.to(self.device) for b in biases)
         router, router_bias = router_names(config, layer)
