@@ -1,6 +1,8 @@
 """Offline throughput: N requests of varied lengths submitted at once to one engine.
 
     python benchmark/profile_throughput.py --backend pytorch --num-prompts 64 --max-batch-size 16 --compare-hf
+    python benchmark/profile_throughput.py --backend turbomind --dp 2 --num-threads 2   # two replicas
+
 
 lmd gets every request at t0 through ``AsyncEngine.generate`` (or at most
 ``--concurrency`` in flight) and batches them continuously with
@@ -12,7 +14,9 @@ is also taken as submitted at t0, so its TTFT includes waiting for earlier
 batches. Prompts: prose from ``pydoc_data.topics``, input and output lengths
 drawn uniformly from the given ranges with a fixed seed; greedy, EOS ignored,
 so each request produces exactly its output length. Each engine runs in its own
-subprocess, so peak RSS (ru_maxrss) is that engine's alone.
+subprocess, so peak RSS (ru_maxrss) is that engine's alone. ``--dp N`` runs N replicas of the engine
+behind the one AsyncEngine (``lmd.dp_engine``), sharing ``--num-threads`` (N replicas of
+num_threads // N threads); ``--tp`` and ``--pp`` go to the engine config as they are.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -53,9 +57,9 @@ def lmd_worker(args) -> dict:
     set_threads(args.num_threads)
     warmup, prompts = load_prompt_sets(args.prompt_file)
     t = time.perf_counter()
-    engine = build_lmd(args.model_dir, args.backend, args.max_batch_size, args.num_threads)
+    engine = build_lmd(args.model_dir, args.backend, args.max_batch_size, args.num_threads, **scaling(args))
     result = {'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
-              'max_batch_size': args.max_batch_size}
+              'max_batch_size': args.max_batch_size, **scaling(args)}
     concurrency = len(prompts) if args.concurrency == 'all' else int(args.concurrency)
     result['concurrency'] = concurrency
 
@@ -78,10 +82,17 @@ def lmd_worker(args) -> dict:
     result['cpu_utilization'] = round((cpu_seconds() - cpu0) / wall, 2)
     stats = engine.engine.stats()
     result['engine_stats'] = {'num_preemptions': stats.num_preemptions, 'num_total_blocks': stats.num_total_blocks}
+    if args.dp > 1:  # how the requests spread over the replicas
+        result['engine_stats']['replica_prompt_tokens'] = [s.num_prompt_tokens for s in engine.replica_stats()]
     engine.close()
     result['peak_rss_mib'] = round(peak_rss_mib(), 1)
     log(f"lmd: {result['wall_s']}s, {result['output_tokens_per_s']} output tok/s")
     return result
+
+
+def scaling(args) -> dict:
+    """The engine config's parallel settings the flags asked for (pp only where it is not 1: TurboMind has none)."""
+    return dict(tp=args.tp, dp=args.dp, **({'pp': args.pp} if args.pp != 1 else {}))
 
 
 def hf_worker(args) -> dict:
@@ -128,7 +139,10 @@ def parse_args(argv=None):
     p.add_argument('--num-prompts', type=int, default=64)
     p.add_argument('--input-tokens', default='32,512', help='prompt length range LO,HI (inclusive) or N')
     p.add_argument('--output-tokens', default='16,256', help='output length range LO,HI (inclusive) or N')
-    p.add_argument('--max-batch-size', type=int, default=16, help="lmd engine's max_batch_size")
+    p.add_argument('--max-batch-size', type=int, default=16, help="lmd engine's max_batch_size (per replica)")
+    p.add_argument('--dp', type=int, default=1, help='data-parallel replicas sharing --num-threads')
+    p.add_argument('--tp', type=int, default=1, help='tensor parallel ranks (engine config tp)')
+    p.add_argument('--pp', type=int, default=1, help='pipeline stages (PyTorch engine config pp)')
     p.add_argument('--concurrency', default='all', help="requests in flight at once: 'all' or a number")
     p.add_argument('--compare-hf', action='store_true', help='also run transformers static batches')
     p.add_argument('--hf-batch-size', type=int, default=16)
@@ -151,8 +165,10 @@ def parse_args(argv=None):
         p.error(str(e))
     if args.concurrency != 'all' and not (args.concurrency.isdigit() and int(args.concurrency) >= 1):
         p.error(f"--concurrency takes 'all' or a positive integer, got {args.concurrency!r}")
-    if min(args.num_prompts, args.max_batch_size, args.hf_batch_size) < 1:
-        p.error('--num-prompts, --max-batch-size and --hf-batch-size must be >= 1')
+    if min(args.num_prompts, args.max_batch_size, args.hf_batch_size, args.dp, args.tp, args.pp) < 1:
+        p.error('--num-prompts, --max-batch-size, --hf-batch-size, --dp, --tp and --pp must be >= 1')
+    if args.pp != 1 and args.backend == 'turbomind':
+        p.error('--pp is a PyTorch engine setting: use --backend pytorch')
     if args.skip_lmd and not args.compare_hf:
         p.error('--skip-lmd leaves nothing to run without --compare-hf')
     return args
@@ -174,7 +190,7 @@ def main(argv=None) -> int:
               for i, (n_in, n_out) in enumerate(WARMUP)]
     report = {
         'benchmark': 'profile_throughput', 'backend': args.backend, 'model': args.model, 'model_dir': model_dir,
-        'num_threads': args.num_threads, 'cpu_count': os.cpu_count(), 'seed': args.seed,
+        'num_threads': args.num_threads, 'cpu_count': os.cpu_count(), 'seed': args.seed, **scaling(args),
         'workload': describe(prompts),
         'method': 'all requests submitted at t0 (lmd: AsyncEngine.generate streaming, continuous batching; '
                   f'transformers: generate() static batches of {args.hf_batch_size} in {args.hf_order} order, '
@@ -188,6 +204,7 @@ def main(argv=None) -> int:
     wargv = ['--backend', args.backend, '--num-threads', str(args.num_threads), '--model-dir', model_dir,
              '--prompt-file', prompt_file, '--pad-id', str(pad_token_id(model_dir)),
              '--max-batch-size', str(args.max_batch_size), '--concurrency', args.concurrency,
+             '--dp', str(args.dp), '--tp', str(args.tp), '--pp', str(args.pp),
              '--hf-batch-size', str(args.hf_batch_size), '--hf-order', args.hf_order]
     script = os.path.abspath(__file__)
     try:

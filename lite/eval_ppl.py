@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -31,7 +32,7 @@ Scorer = Callable[[list[int]], torch.Tensor]  # window ids -> float32 logits [wi
 
 def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str | None = None,
              quant_policy: int = 0, backend: str = 'turbomind', dtype: str = 'float32', window: int = 512,
-             num_windows: int = 12) -> dict:
+             num_windows: int = 12, engine_fields: dict | None = None) -> dict:
     """Perplexity of ``model_path`` ('smollm2', a hub id, a directory or a GGUF file) on
     ``text_file``: a UTF-8 text file, or one of the built-in held-out texts, 'prose' (the default,
     ``calib_data.builtin_text('eval')``) or 'code' (Python's own source, ``builtin_text('code')``).
@@ -39,6 +40,10 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
     ``model_format`` None reads the checkpoint as the engines do: on TurboMind a GGUF conversion
     (``'smollm2'``) runs its 4-bit matmuls (values equal to the float weights'); 'hf' forces the
     float weights.
+
+    ``engine_fields``: the engines' scaling settings, as the commands take them (``tp``, ``dp``, ``pp``,
+    ``distributed_executor_backend``, ``ray_address``; ``lmd.backend.command_engine_config``); with
+    ``dp`` replicas, that many windows are scored at once. The 'hf' reference takes none.
 
     Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored), ``windows``, ``window``,
     ``seconds`` (scoring), ``load_seconds``, and the settings that ran (``backend``,
@@ -49,6 +54,10 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
     from lmd.tokenizer import Tokenizer
 
     _check_args(backend, quant_policy, dtype, window, num_windows, model_format)
+    engine_fields = {k: v for k, v in (engine_fields or {}).items() if v is not None}
+    if backend == 'hf' and any(v != 1 for k, v in engine_fields.items() if k in ('tp', 'dp', 'pp')):
+        raise ValueError(f"backend 'hf' is the float reference on one process: {engine_fields} need backend "
+                         "'turbomind' or 'pytorch'")
     text = _read_text(text_file)
     model_dir = prepare_model_dir(model_path)
     ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)
@@ -59,19 +68,20 @@ def eval_ppl(model_path: str, text_file: str | None = None, *, model_format: str
                          f'{window} = {need}; {len(ids) // window} windows of {window} tokens fit')
 
     start = time.perf_counter()
-    score, fmt, close = _SCORERS[backend](backend, model_dir, model_format, quant_policy, dtype, window)
+    score, fmt, close = _SCORERS[backend](backend, model_dir, model_format, quant_policy, dtype, window,
+                                          engine_fields)
     load_seconds = time.perf_counter() - start
-    total_nll, num_scored = 0.0, 0
+    windows = [ids[w * window:(w + 1) * window] for w in range(num_windows)]
     start = time.perf_counter()
     try:
-        for w in range(num_windows):
-            chunk = ids[w * window:(w + 1) * window]
-            total_nll += token_nll(score(chunk), chunk).sum().item()
-            num_scored += window - 1
+        # dp replicas score dp windows at once (each get_logits runs on the least busy replica)
+        with ThreadPoolExecutor(engine_fields.get('dp', 1)) as pool:
+            nlls = list(pool.map(lambda chunk: token_nll(score(chunk), chunk).sum().item(), windows))
         seconds = time.perf_counter() - start
     finally:
         close()
-    nll = total_nll / num_scored
+    num_scored = num_windows * (window - 1)
+    nll = sum(nlls) / num_scored  # in window order: the same sum whatever ran first
     return dict(ppl=math.exp(nll), nll=nll, tokens=num_scored, windows=num_windows, window=window,
                 seconds=seconds, load_seconds=load_seconds, backend=backend, model_format=fmt,
                 quant_policy=quant_policy, dtype=dtype)
@@ -112,20 +122,24 @@ def _read_text(text_file: str | None) -> str:
     return text
 
 
-def _engine_scorer(backend, model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str, Callable]:
+def _engine_scorer(backend, model_dir, model_format, quant_policy, dtype, window,
+                   engine_fields) -> tuple[Scorer, str, Callable]:
     """The engine's own scoring call through the core: ``pipeline(...).get_logits``."""
     from lmd.api import pipeline
-    from lmd.messages import PytorchEngineConfig, TurbomindEngineConfig
+    from lmd.backend import command_engine_config
 
-    config_type = TurbomindEngineConfig if backend == 'turbomind' else PytorchEngineConfig
-    # scoring runs over a cache of its own: the serving one is left at its smallest, one window
-    config = config_type(session_len=window, cache_block_seq_len=BLOCK_SIZE, num_cache_blocks=-(-window // BLOCK_SIZE),
-                         max_batch_size=1, quant_policy=quant_policy, model_format=model_format, dtype=dtype)
+    # scoring runs over a cache of its own: the serving one is left at its smallest, one window; the
+    # PyTorch engine's own fields (pp, the executor) make a PytorchEngineConfig, which TurboMind refuses
+    config = command_engine_config(dict(session_len=window, cache_block_seq_len=BLOCK_SIZE,
+                                        num_cache_blocks=-(-window // BLOCK_SIZE), max_batch_size=1,
+                                        quant_policy=quant_policy, model_format=model_format, dtype=dtype,
+                                        **engine_fields), backend)
     pipe = pipeline(model_dir, backend_config=config, backend=backend)
     return (lambda ids: pipe.get_logits(ids)[0]), pipe.async_engine.model_info.model_format, pipe.close
 
 
-def _hf_scorer(backend, model_dir, model_format, quant_policy, dtype, window) -> tuple[Scorer, str, Callable]:
+def _hf_scorer(backend, model_dir, model_format, quant_policy, dtype, window,
+               engine_fields) -> tuple[Scorer, str, Callable]:
     import transformers
 
     from lmd.model_config import ModelConfig

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from .backend import CONFIGS, resolve_backend
 from .chat_template import get_chat_template, to_messages
+from .dp_engine import DataParallelEngine, replica_configs
 from .embeddings import PoolerConfig, embedding, pooler_config_from_dir
 from .engine import Engine, EngineOutput, EngineRequest, EngineStats, SamplingParams, token_nll
 from .errors import InputTooLongError
@@ -37,7 +38,8 @@ def build_engine(model_dir: str, backend: str | None,
                  backend_config: PytorchEngineConfig | TurbomindEngineConfig | EngineConfig | None) -> Engine:
     """The engine for ``backend``: 'turbomind', 'pytorch', or 'auto' (None alike), which picks by the
     config's type and, without one, TurboMind where it runs the model (``lmd.backend``). The choice
-    is logged once at INFO: the commands show it at start."""
+    is logged once at INFO: the commands show it at start. With ``dp > 1``, a ``DataParallelEngine``
+    over that many of them."""
     backend, why = resolve_backend(model_dir, backend, backend_config)
     config_type = CONFIGS[backend]
     if backend_config is None:
@@ -47,14 +49,14 @@ def build_engine(model_dir: str, backend: str | None,
         backend_config = config_type(**{f.name: getattr(backend_config, f.name) for f in fields(backend_config)})
     if not isinstance(backend_config, config_type):
         raise ValueError(f'backend {backend} needs a {config_type.__name__}, got {type(backend_config).__name__}')
-    logger.info('engine %s (%s)', backend, why)
+    logger.info('engine %s (%s)%s', backend, why, f', {backend_config.dp} replicas' if backend_config.dp > 1 else '')
     if backend == 'turbomind':
-        from .turbomind.engine import TurbomindEngine
-        engine = TurbomindEngine(model_dir, backend_config)
+        from .turbomind.engine import TurbomindEngine as engine_type
     else:
-        from .pytorch_backend import PytorchEngine
-        engine = PytorchEngine(model_dir, backend_config)
-    return engine
+        from .pytorch_backend import PytorchEngine as engine_type
+    if backend_config.dp > 1:  # data parallel: dp whole engines behind one interface (lmd.dp_engine)
+        return DataParallelEngine(replica_configs(backend_config), lambda config: engine_type(model_dir, config))
+    return engine_type(model_dir, backend_config)
 
 
 def _id_batch(input_ids, min_len: int) -> list[list[int]]:
@@ -454,6 +456,12 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each engine replica's stats (``--dp``; one entry for a single engine)."""
+        if isinstance(self.engine, DataParallelEngine):
+            return self.engine.replica_stats()
+        return [self.engine.stats()]
 
     @property
     def engine_name(self) -> str:

@@ -87,10 +87,29 @@ def command_speculative_config(algorithm: str | None, num_draft_tokens: int | No
     return SpeculativeConfig(**fields)
 
 
+# the PyTorch engine's settings a command takes beside the shared ones, and their values when not set
+PYTORCH_FIELDS = {'pp': 1, 'distributed_executor_backend': None, 'ray_address': None}
+
+
 def command_engine_config(fields: dict, backend: str, int8_activations: bool = False) -> EngineConfig:
     """The engine config of a command's flags: the shared ``fields`` (None values left out), as a
-    ``TurbomindEngineConfig`` when a TurboMind-only flag is set (which a PyTorch backend refuses)."""
+    ``TurbomindEngineConfig`` when a TurboMind-only flag is set (which a PyTorch backend refuses), as a
+    ``PytorchEngineConfig`` when one of ``PYTORCH_FIELDS`` is (--pp, --distributed-executor-backend,
+    --ray-address; which TurboMind refuses). --ray-address alone implies the 'ray' executor."""
     fields = {k: v for k, v in fields.items() if v is not None}
+    pytorch = {k: fields.pop(k) for k in PYTORCH_FIELDS if k in fields}
+    if 'ray_address' in pytorch:
+        pytorch.setdefault('distributed_executor_backend', 'ray')
+    pytorch_set = [k for k, v in pytorch.items() if v != PYTORCH_FIELDS[k]]
+    if pytorch_set:
+        flag = '--' + pytorch_set[0].replace('_', '-')
+        if int8_activations:
+            raise ValueError(f'--int8-activations is a TurboMind setting and {flag} a PyTorch engine one: '
+                             'choose one engine')
+        if backend == 'turbomind':
+            raise ValueError(f'{flag} {pytorch[pytorch_set[0]]} is a PyTorch engine setting (TurboMind scales out '
+                             'with --dp): use --backend pytorch or auto')
+        return PytorchEngineConfig(**fields, **pytorch)
     if not int8_activations:
         return EngineConfig(**fields)
     if backend == 'pytorch':

@@ -15,7 +15,9 @@ from .prompt_loop import HELP, read_turns
 def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template: str | None = None,
          system: str | None = None, session_len: int | None = None, cache_max_entry_count: float | None = None,
          enable_prefix_caching: bool = False, dtype: str = 'auto', quant_policy: int = 0,
-         num_threads: int | None = None, int8_activations: bool = False, max_new_tokens: int = 1024, do_sample: bool = False,
+         num_threads: int | None = None, tp: int = 1, dp: int = 1, pp: int = 1,
+         distributed_executor_backend: str | None = None, ray_address: str | None = None,
+         int8_activations: bool = False, max_new_tokens: int = 1024, do_sample: bool = False,
          temperature: float = 0.8, top_p: float = 1.0, top_k: int = 50, repetition_penalty: float = 1.0,
          random_seed: int | None = None, speculative_algorithm: str | None = None,
          speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None) -> None:
@@ -35,6 +37,13 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
         dtype: auto, float32, bfloat16 or float16.
         quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
         num_threads: CPU threads for the engine (default: all cores).
+        tp: tensor parallel degree.
+        dp: data-parallel replicas of the engine, each with NUM_THREADS // DP threads.
+        pp: pipeline parallel stages (PyTorch engine).
+        distributed_executor_backend: how the PyTorch engine starts its tp x pp ranks: mp (local processes,
+            the default) or ray.
+        ray_address: the Ray cluster for the ranks (default: RAY_ADDRESS, else a local one); implies
+            --distributed-executor-backend ray.
         int8_activations: TurboMind: quantized matmuls take int8 activations as llama.cpp's (faster on CPUs).
         max_new_tokens: the most tokens one answer may have.
         do_sample: sample instead of greedy decoding.
@@ -53,7 +62,8 @@ def chat(model_path: str | None = None, *, backend: str = 'auto', chat_template:
                                              speculative_draft_model)
     fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
                   enable_prefix_caching=enable_prefix_caching, dtype=dtype, num_threads=num_threads,
-                  quant_policy=quant_policy, speculative_config=speculative)
+                  quant_policy=quant_policy, speculative_config=speculative, tp=tp, dp=dp, pp=pp,
+                  distributed_executor_backend=distributed_executor_backend, ray_address=ray_address)
     config = command_engine_config(fields, backend, int8_activations)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                            top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, random_seed=random_seed)

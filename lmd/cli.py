@@ -124,7 +124,9 @@ def smooth_quant(model: str, work_dir: str, *, alpha: float = 0.5, calib_dataset
 
 
 def eval_ppl(model: str, *, text: str | None = None, model_format: str | None = None, quant_policy: int = 0,
-             backend: str = 'auto', dtype: str = 'float32', window: int = 512, num_windows: int = 12):
+             backend: str = 'auto', dtype: str = 'float32', window: int = 512, num_windows: int = 12, tp: int = 1,
+             dp: int = 1, pp: int = 1, distributed_executor_backend: str | None = None,
+             ray_address: str | None = None):
     """Perplexity on held-out text, measured the same way for every format: NUM_WINDOWS windows of
     WINDOW tokens from the start of the text, each scored alone from an empty cache.
 
@@ -140,14 +142,27 @@ def eval_ppl(model: str, *, text: str | None = None, model_format: str | None = 
         dtype: float32, bfloat16, float16 or auto.
         window: tokens per window.
         num_windows: windows scored.
+        tp: tensor parallel degree.
+        dp: data-parallel replicas of the engine, each with its share of the cores, scoring DP windows at once.
+        pp: pipeline parallel stages (PyTorch engine).
+        distributed_executor_backend: how the PyTorch engine starts its tp x pp ranks: mp (local processes,
+            the default) or ray.
+        ray_address: the Ray cluster for the ranks (default: RAY_ADDRESS, else a local one); implies
+            --distributed-executor-backend ray.
     """
     from lmd.lite.eval_ppl import eval_ppl
+    engine_fields = dict(tp=tp, dp=dp, pp=pp, distributed_executor_backend=distributed_executor_backend,
+                         ray_address=ray_address)
     if backend == 'auto':
-        from .backend import autoget_backend
+        from .backend import autoget_backend, command_engine_config
+        from .messages import PytorchEngineConfig
         from .model_path import prepare_model_dir
-        backend = autoget_backend(prepare_model_dir(model), model_format)
+        if isinstance(command_engine_config(engine_fields, backend), PytorchEngineConfig):
+            backend = 'pytorch'  # a PyTorch engine setting was given
+        else:
+            backend = autoget_backend(prepare_model_dir(model), model_format)
     r = eval_ppl(model, text, model_format=model_format, quant_policy=quant_policy, backend=backend, dtype=dtype,
-                 window=window, num_windows=num_windows)
+                 window=window, num_windows=num_windows, engine_fields=engine_fields)
     print(f"perplexity {r['ppl']:.4f} ({r['backend']}, {r['model_format']}, quant_policy {r['quant_policy']}, "
           f"{r['dtype']}; {r['windows']} x {r['window']} tokens, {r['tokens']} scored, {r['seconds']:.1f} s)")
 

@@ -162,7 +162,8 @@ class EngineConfig:
     num_cache_blocks: int | None = None
     enable_prefix_caching: bool = False
     quant_policy: int = 0
-    tp: int = 1
+    tp: int = 1  # tensor parallel ranks (the PyTorch engine: torch.distributed; TurboMind: CUDA builds)
+    dp: int = 1  # data-parallel replicas: dp engines behind one AsyncEngine, each with its share of the cores
     model_format: str | None = None
     dtype: str = 'auto'
     device: str = 'cpu'
@@ -185,6 +186,7 @@ class EngineConfig:
             _fail(c, 'enable_prefix_caching', self.enable_prefix_caching, 'expected True or False')
         _check_choice(c, 'quant_policy', self.quant_policy, (0, 4, 8))
         _check_range(c, 'tp', self.tp, lo=1, integer=True)
+        _check_range(c, 'dp', self.dp, lo=1, integer=True)
         _check_choice(c, 'model_format', self.model_format,
                       (None, 'hf', 'awq', 'w8a8', 'gptq', 'compressed-tensors', 'fp8', 'mxfp4', 'gguf'))
         _check_choice(c, 'dtype', self.dtype, ('auto', 'float32', 'bfloat16', 'float16'))
@@ -215,6 +217,11 @@ class PytorchEngineConfig(EngineConfig):
     # with them, on a CUDA device; not the default until it has passed the GPU tests)
     kernel_backend: str | None = None
     max_cache_memory_gib: float | None = 4.0  # caps cache_max_entry_count on CPU, where "free" is the host's RAM
+    pp: int = 1  # pipeline stages: the layers split over pp ranks (times tp: tp * pp ranks in all)
+    # how the tp * pp ranks start: 'mp' local processes, 'ray' a Ray cluster's placement group
+    # (RAY_ADDRESS or ray_address; a local one when neither names a cluster); None: 'mp'
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -226,6 +233,10 @@ class PytorchEngineConfig(EngineConfig):
                   "for the CPU (a build with them: pip install . -C cmake.define.LMD_WITH_CUDA=ON)")
         if self.max_cache_memory_gib is not None:
             _check_range(c, 'max_cache_memory_gib', self.max_cache_memory_gib, lo=0.0, lo_open=True)
+        _check_range(c, 'pp', self.pp, lo=1, integer=True)
+        _check_choice(c, 'distributed_executor_backend', self.distributed_executor_backend, (None, 'mp', 'ray'))
+        if self.ray_address is not None and self.distributed_executor_backend != 'ray':
+            _fail(c, 'ray_address', self.ray_address, "it applies to distributed_executor_backend='ray'")
 
 
 @dataclass

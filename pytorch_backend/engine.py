@@ -22,16 +22,16 @@ import torch
 
 from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
                         SamplingParams, deliver, scored_token_ids)
-from lmd.errors import ModelFormatError
 from lmd.lora import AdapterSlot, LoraAdapter, check_fits
 from lmd.messages import PytorchEngineConfig
-from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
+from lmd.model_config import ModelConfig
 from lmd.weights.dtype import resolve_dtype
 from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
-from lmd.weights.source_format import quantized_linears, source_format
-from lmd.weights.turbomind_layout import is_converted
+from lmd.weights.tensor_parallel import check_tensor_parallel, shard_config
 
 from .block_manager import BlockManager
+from .loading import load_model_weights
+from .distributed import RankFailure
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
@@ -65,31 +65,6 @@ class _Call:
     future: Future
 
 
-def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
-                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple], str]:
-    """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'; a GGUF
-    conversion's dequantized weights included), or quantized (AWQ, W8A8, GPTQ, compressed-tensors, FP8),
-    detected from config.json as TurboMind detects it, whose matmuls stay quantized (HF weight name -> a
-    layout of ``lmd.weights.quant_layouts``; FP8 ones are dequantized). TurboMind's own layout is refused."""
-    from lmd.model_loader import load_weights
-
-    if is_converted(model_dir):
-        raise ModelFormatError(f'{model_dir} is in TurboMind\'s own layout (lmd convert --backend turbomind); '
-                               'the PyTorch engine reads HF checkpoints: use TurbomindEngineConfig, or convert '
-                               'without --backend turbomind')
-    fmt = source_format(model_dir, mc, model_format)
-    where = os.path.join(model_dir, '')
-    if fmt not in QUANTIZED_FORMATS:
-        return load_weights(model_dir, dtype), {}, 'hf'
-    weights = load_weights(model_dir)  # as stored: the quantized layout keeps fp16 scales exact in float32
-    quantized = quantized_linears(fmt, weights, mc.quantization_config, where)
-    stray = [f'{n!r} ({t.dtype})' for n, t in weights.items() if not t.is_floating_point()]
-    if stray:
-        raise ModelFormatError(f'{where}: {fmt} checkpoint with integer tensors that belong to no quantized '
-                               f'matmul (a scale or zero point missing?): {", ".join(stray[:4])}')
-    return weights, quantized, fmt
-
-
 class PytorchEngine(Engine):
 
     def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
@@ -97,38 +72,55 @@ class PytorchEngine(Engine):
         from .sampler import Sampler
 
         cfg = config or PytorchEngineConfig()
-        if cfg.tp != 1:
-            raise ValueError(f'PytorchEngineConfig.tp={cfg.tp} is invalid: the PyTorch engine runs on one device (tp=1)')
         device = torch.device(cfg.device)
         if device.type == 'cuda' and not torch.cuda.is_available():
             raise ValueError(f"PytorchEngineConfig.device={cfg.device!r} is invalid: no CUDA device here; use 'cpu'")
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
         self.config = cfg
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(cfg.dtype, mc)
         self.device = device
-
-        weights, quantized, self.model_format = load_model_weights(model_dir, mc, cfg.model_format, self.dtype)
-        model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend, quantized)
-        model.kernels.set_num_threads(torch.get_num_threads())
-        del weights, quantized
+        tp = cfg.tp
+        if tp > 1:
+            check_tensor_parallel(mc, tp)
+            if cfg.pp != 1:
+                raise ValueError(f'PytorchEngineConfig.pp={cfg.pp} is invalid: pipeline parallelism is not '
+                                 'implemented yet; use tp')
+            if cfg.adapters or device.type != 'cpu':
+                raise ValueError(f'PytorchEngineConfig.tp={tp}: tensor parallelism runs on CPUs (gloo) without '
+                                 'LoRA adapters so far' + (f'; device={cfg.device!r}' if device.type != 'cpu'
+                                                           else '; adapters were given'))
+        elif cfg.pp != 1:
+            raise ValueError(f'PytorchEngineConfig.pp={cfg.pp} is invalid: pipeline parallelism is not implemented '
+                             'yet')
+        # each rank's threads: the cores shared out over the ranks unless num_threads says
+        threads = cfg.num_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
         block_size = cfg.cache_block_seq_len
-        session_len = default_session_len(mc, cfg.session_len)
-        if cfg.num_cache_blocks is not None:
-            num_blocks = cfg.num_cache_blocks
+        self.executor = None  # the other tensor-parallel ranks (executor.py); None: this process alone
+        if tp > 1:
+            from .distributed import build_rank_model
+            from .executor import RankExecutor
+            num_blocks, session_len = self._cache_size(mc, tp)  # known to every rank before it loads
+            self.executor = RankExecutor(model_dir, cfg, num_blocks, session_len, torch.get_num_threads())
+            try:
+                self.runner, self.model_format = build_rank_model(model_dir, cfg, 0, tp, self.executor.group,
+                                                                  num_blocks, session_len, ranks=self.executor.ranks)
+                self.executor.ready()
+            except BaseException:
+                self.executor.close()
+                raise
         else:
-            max_bytes = None if device.type != 'cpu' or cfg.max_cache_memory_gib is None \
-                else cfg.max_cache_memory_gib * _GIB
-            num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy), device,
-                                                cfg.cache_max_entry_count, max_bytes, session_len, block_size)
-        session_len = fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
-                                      cfg.max_prefill_token_num or session_len)
+            weights, quantized, self.model_format = load_model_weights(model_dir, mc, cfg.model_format, self.dtype)
+            model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend, quantized)
+            model.kernels.set_num_threads(torch.get_num_threads())
+            del weights, quantized
+            num_blocks, session_len = self._cache_size(mc, tp)  # of the memory the weights left
+            model.build_rope(session_len)  # LongRoPE picks its factors by the longest sequence served
+            self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
         self.session_len = session_len
-        model.build_rope(session_len)  # LongRoPE picks its factors by the longest sequence served
-
-        self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
+        model = self.runner.model
         self.block_manager = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, window=mc.kv_window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_size,
                                    cfg.max_prefill_token_num or session_len)
@@ -153,6 +145,7 @@ class PytorchEngine(Engine):
         self._inbox: list = []
         self._sessions = SessionTable(mc.vocab_size, session_len)  # in-flight and kept sessions
         self._closing = False
+        self._closed_why = ''  # why it closed, when not by close()
         self._stats = EngineStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
 
         # The kernel library's thread pool runs the model's heavy work on the CPU (kernels 'native'): torch's
@@ -174,6 +167,23 @@ class PytorchEngine(Engine):
             # take; this thread's setting (the one it had) is that count again
             self._torch_inline_set.wait()
             torch.set_num_threads(threads)
+
+    def _cache_size(self, mc: ModelConfig, tp: int) -> tuple[int, int]:
+        """(KV blocks, session_len) of this engine's cache: ``num_cache_blocks``, or the fraction of free
+        memory ``cache_max_entry_count`` asks (capped on a CPU); a rank's cache holds its KV heads, and on a
+        CPU the ranks share the host's memory."""
+        cfg, device, block_size = self.config, self.device, self.config.cache_block_seq_len
+        session_len = default_session_len(mc, cfg.session_len)
+        if cfg.num_cache_blocks is not None:
+            num_blocks = cfg.num_cache_blocks
+        else:
+            block_bytes = kv_block_bytes(shard_config(mc, 0, tp), block_size, self.dtype, cfg.quant_policy)
+            max_bytes = None if device.type != 'cpu' or cfg.max_cache_memory_gib is None \
+                else cfg.max_cache_memory_gib * _GIB
+            num_blocks = num_blocks_from_memory(block_bytes * (tp if device.type == 'cpu' else 1), device,
+                                                cfg.cache_max_entry_count, max_bytes, session_len, block_size)
+        return num_blocks, fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
+                                           cfg.max_prefill_token_num or session_len)
 
     # ---- the Engine interface (any thread) -------------------------------------------------------------
 
@@ -301,19 +311,19 @@ class PytorchEngine(Engine):
             if self._closing:
                 if isinstance(message, _Abort):
                     return  # close() aborted everything already
-                raise RuntimeError('the engine is closed')
+                raise RuntimeError(f'the engine is closed{self._closed_why}')
             self._inbox.append(message)
             self._cond.notify()
 
     def _submit(self, request: EngineRequest, callback: OutputCallback, **hooks) -> None:
         with self._lock:
             if self._closing:
-                raise RuntimeError('the engine is closed')
+                raise RuntimeError(f'the engine is closed{self._closed_why}')
         adapter = self._sessions.admit(request, callback)
         with self._cond:
             if self._closing:
                 self._sessions.withdraw(request.session_id)
-                raise RuntimeError('the engine is closed')
+                raise RuntimeError(f'the engine is closed{self._closed_why}')
             self._inbox.append(_Add(request, callback, adapter=adapter, **hooks))
             self._cond.notify()
 
@@ -372,6 +382,8 @@ class PytorchEngine(Engine):
                 message.future.set_result(message.fn(self))
             except Exception as e:
                 message.future.set_exception(e)
+                if isinstance(e, RankFailure):
+                    self._lose_ranks(e)
 
     def _on_add(self, message: _Add) -> None:
         from .sampler import SamplingState
@@ -448,6 +460,9 @@ class PytorchEngine(Engine):
             if sampled:
                 result = self.sampler.sample(sampled_logits, [s.sampling_state for s in sampled])
         except Exception as e:
+            if isinstance(e, RankFailure):
+                self._lose_ranks(e)
+                return True
             logger.exception('engine: a step of %d sequences failed', len(out.seqs))
             for seq in out.seqs:
                 self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
@@ -578,6 +593,14 @@ class PytorchEngine(Engine):
             except Exception:
                 logger.exception('engine: failing session %d failed', seq.session_id)
 
+    def _lose_ranks(self, error: RankFailure) -> None:
+        """A tensor-parallel rank is gone: every request held ends with the error, and the engine closes."""
+        logger.error('engine: %s', error)
+        self._fail_all(str(error))
+        with self._cond:
+            self._closing = True
+            self._closed_why = f': {error}'
+
     def _shutdown(self) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, 'abort')
@@ -590,6 +613,8 @@ class PytorchEngine(Engine):
                 message.future.set_exception(RuntimeError('the engine is closed'))
         self._update_stats()
         self._flush_outbox()
+        if self.executor is not None:
+            self.executor.close()
 
     def _update_stats(self) -> None:
         bm, sched = self.block_manager, self.scheduler

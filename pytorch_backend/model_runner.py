@@ -5,6 +5,8 @@ token counts, and this file turns them into tensors once per step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .context import StepContext
@@ -16,9 +18,28 @@ from .scheduler import SchedulerOutput
 PROMPT_LOGITS_ROWS = 256
 
 
+@dataclass
+class StepPlan:
+    """One step as plain lists (``ModelRunner.plan``): what every tensor-parallel rank needs to run it,
+    sent to the other ranks as it is (``distributed.RankGroup.send``); each builds its tensors itself."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    cu_query_lens: list[int]
+    context_lens: list[int]
+    block_table: list[int]    # [B * max_blocks], row-major
+    max_blocks: int
+    row_slots: list[int] | None  # each row's LoRA slot, once a sequence of the step runs one
+    logit_rows: list[int] | None  # the rows turned into logits; None: every row
+    # prompt logprobs: (sequence index, first row, end row, the tokens those rows score, top-k)
+    prompt_jobs: list[tuple[int, int, int, list[int], int]]
+
+
 class ModelRunner:
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, quant_policy: int = 0):
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, quant_policy: int = 0,
+                 ranks=None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -27,14 +48,15 @@ class ModelRunner:
         # per layer (k_cache, v_cache[, k_params, v_params]): CausalLM.allocate_kv_cache
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, quant_policy)
         self.lora = ModelLora(model.num_layers, model.dtype, device)  # LoRA adapters by slot (lora.py)
+        # tensor parallelism, on rank 0: the other ranks, each running every call here on its shard
+        # (distributed.RankGroup); None: this process runs the whole model
+        self.ranks = ranks
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
-        """Flatten the step into input_ids[T], positions[T] and a StepContext.
-
-        Also returns the rows whose logits are needed: each sequence's last row when
-        the step brings it up to date (``-1`` for a sequence that is still prefilling).
-        Python lists are built first and become tensors in two calls.
-        """
+    def plan(self, out: SchedulerOutput, all_logits: bool = False) -> tuple[StepPlan, list[int]]:
+        """The step's rows flattened (input ids, positions, KV slots, per-sequence lengths, block tables),
+        and the rows whose logits are needed: each sequence's last row when the step brings it up to date
+        (``-1`` in the returned sample_rows for a sequence still prefilling), after the rows of its
+        draft's tokens when it has one."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -73,7 +95,6 @@ class ModelRunner:
             context_lens.append(end)
             cu.append(num_rows)
             sample_rows.append(num_rows - 1 if end == seq.num_tokens + len(seq.draft_token_ids) else -1)
-        batch = len(query_lens)
         max_blocks = (max(context_lens) + bs - 1) // bs
         table: list[int] = []
         for seq, end in zip(out.seqs, context_lens):
@@ -81,31 +102,43 @@ class ModelRunner:
             table.extend(row)
             if len(row) < max_blocks:
                 table.extend([0] * (max_blocks - len(row)))
+        logit_rows = None
+        if not all_logits:
+            logit_rows = []
+            for seq, r in zip(out.seqs, sample_rows):
+                if r >= 0:
+                    logit_rows.extend(range(r - len(seq.draft_token_ids), r + 1))
+        plan = StepPlan(input_ids, positions, slots, query_lens, cu, context_lens, table, max_blocks, row_slots,
+                        logit_rows, self.prompt_jobs(out))
+        return plan, sample_rows
 
+    def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """input_ids[T], positions[T] and the StepContext of ``plan``, from two host buffers."""
         dev = self.device
+        T, batch = len(plan.input_ids), len(plan.query_lens)
         # one int64 buffer: input_ids[T] | positions[T] | slot_mapping[T]
-        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64)
+        longs = torch.tensor(plan.input_ids + plan.positions + plan.slots, dtype=torch.int64)
         # one int32 buffer: query_lens[B] | cu_query_lens[B+1] | context_lens[B] | block_tables[B*M]
-        ints = torch.tensor(query_lens + cu + context_lens + table, dtype=torch.int32)
+        ints = torch.tensor(plan.query_lens + plan.cu_query_lens + plan.context_lens + plan.block_table,
+                            dtype=torch.int32)
         if dev.type != 'cpu':
             longs = longs.pin_memory().to(dev, non_blocking=True)
             ints = ints.pin_memory().to(dev, non_blocking=True)
-        T = num_rows
         ctx = StepContext(
             kv_caches=self.kv_caches,
-            block_size=bs,
+            block_size=self.block_size,
             slot_mapping=longs[2 * T:],
             query_lens=ints[:batch],
             cu_query_lens=ints[batch:2 * batch + 1],
             context_lens=ints[2 * batch + 1:3 * batch + 1],
-            block_tables=ints[3 * batch + 1:].view(batch, max_blocks),
+            block_tables=ints[3 * batch + 1:].view(batch, plan.max_blocks),
             is_decode=T == batch,
-            query_lens_list=query_lens,
-            context_lens_list=context_lens,
+            query_lens_list=plan.query_lens,
+            context_lens_list=plan.context_lens,
             quant_policy=self.quant_policy,
-            lora=self.lora.step(row_slots) if row_slots is not None else None,
+            lora=self.lora.step(plan.row_slots) if plan.row_slots is not None else None,
         )
-        return longs[:T], longs[T:2 * T], ctx, sample_rows
+        return longs[:T], longs[T:2 * T], ctx
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput,
@@ -116,60 +149,78 @@ class ModelRunner:
         more per drafted token of that sequence (the rows of its pending token and its draft, in
         order); with ``all_logits`` (a debugging aid) one row per token of the step instead.
         ``prompt_logprobs``: per sequence of the step, None or the new entries of its
-        ``Sequence.prompt_logprobs`` (``prompt_logprobs`` below).
+        ``Sequence.prompt_logprobs`` (``prompt_jobs`` below).
         """
-        ids, positions, ctx, sample_rows = self.prepare(out)
+        plan, sample_rows = self.plan(out, all_logits)
+        logits, prompt_lps = self.on_all_ranks('execute', plan, driver_args=(len(out.seqs),))
+        return logits, sample_rows, prompt_lps
+
+    def on_all_ranks(self, method: str, *args, driver_args: tuple = ()):
+        """``method(*args, *driver_args)`` here, after sending ``method(*args)`` to the other ranks (with
+        tensor parallelism: each runs it on its shard, the model's collectives meeting); a collective
+        broken by a rank's end raises ``RankFailure``."""
+        if self.ranks is None:
+            return getattr(self, method)(*args, *driver_args)
+        self.ranks.send((method, *args))
+        try:
+            return getattr(self, method)(*args, *driver_args)
+        except RuntimeError as e:
+            raise self.ranks.failure(e) from e
+
+    def execute(self, plan: StepPlan, num_seqs: int = 0):
+        """The forward pass of ``plan`` (on every rank): (float32 logits of ``plan.logit_rows``, prompt
+        logprobs per sequence: None, or the entries its ``prompt_jobs`` give)."""
+        ids, positions, ctx = self.tensors(plan)
         hidden = self.model.forward(ids, positions, ctx)
-        prompt_lps = self.prompt_logprobs(out, hidden)
-        if not all_logits:
-            rows = []
-            for seq, r in zip(out.seqs, sample_rows):
-                if r >= 0:
-                    rows.extend(range(r - len(seq.draft_token_ids), r + 1))
+        prompt_lps: list[list[dict[int, float]] | None] = [None] * num_seqs
+        for i, a, b, targets, k in plan.prompt_jobs:
+            logits = self.model.compute_logits(hidden[a:b])  # on every rank: the vocabulary is gathered
+            if num_seqs:
+                prompt_lps[i] = (prompt_lps[i] or []) + token_logprobs(logits, targets, k)
+        rows = plan.logit_rows
+        if rows is not None:
             if not rows:
-                return hidden.new_empty((0, 0), dtype=torch.float32), sample_rows, prompt_lps
+                return hidden.new_empty((0, 0), dtype=torch.float32), prompt_lps
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
-        return self.model.compute_logits(hidden), sample_rows, prompt_lps
+        return self.model.compute_logits(hidden), prompt_lps
 
-    def prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[list[dict[int, float]] | None]:
-        """The prompt logprobs this step's rows give: for each sequence that asks and has rows it has
-        not read (a recompute after preemption skips those it has), position p's row scores prompt
-        token p + 1 (``sampler.token_logprobs``); the prompt's last row is the sampled one, not read here.
-        hidden: [T, H], the step's rows in the order of ``prepare``."""
-        result: list[list[dict[int, float]] | None] = []
+    def prompt_jobs(self, out: SchedulerOutput) -> list[tuple[int, int, int, list[int], int]]:
+        """The prompt logprobs this step's rows give, as jobs of at most PROMPT_LOGITS_ROWS rows: for each
+        sequence that asks and has rows it has not read (a recompute after preemption skips those it
+        has), position p's row scores prompt token p + 1 (``sampler.token_logprobs``); the prompt's last
+        row is the sampled one, not read here. Rows are those of ``plan``'s order."""
+        jobs = []
         row0 = 0
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            entries = None
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             start = seq.num_computed_tokens
             if seq.prompt_logprobs is not None:
                 first = len(seq.prompt_logprobs) - 1  # the next position to read
                 last = min(start + n, seq.num_prompt_tokens - 1)
-                if first < last:
-                    if first < start:
-                        raise AssertionError(f'session {seq.session_id}: prompt rows {first}..{start} were never '
-                                             'computed (a prefix hit on a sequence that wants prompt logprobs?)')
-                    k = seq.sampling.prompt_logprobs
-                    entries = []
-                    for a in range(first, last, PROMPT_LOGITS_ROWS):
-                        b = min(a + PROMPT_LOGITS_ROWS, last)
-                        logits = self.model.compute_logits(hidden[row0 + a - start:row0 + b - start])
-                        entries += token_logprobs(logits, seq.token_ids[a + 1:b + 1], k)
-            result.append(entries)
+                if first < last and first < start:
+                    raise AssertionError(f'session {seq.session_id}: prompt rows {first}..{start} were never '
+                                         'computed (a prefix hit on a sequence that wants prompt logprobs?)')
+                for a in range(first, last, PROMPT_LOGITS_ROWS):
+                    b = min(a + PROMPT_LOGITS_ROWS, last)
+                    jobs.append((i, row0 + a - start, row0 + b - start, seq.token_ids[a + 1:b + 1],
+                                 seq.sampling.prompt_logprobs))
             row0 += n
-        return result
+        return jobs
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """float32 logits [n, vocab] of one sequence teacher-forced in one forward pass, over a KV cache
         of its own (the serving cache's blocks are left alone), freed after (``PytorchEngine.get_logits``)."""
+        return self.on_all_ranks('forward_logits', token_ids, adapter_slot)
+
+    def forward_logits(self, token_ids: list[int], adapter_slot: int) -> torch.Tensor:
         return self.model.compute_logits(self.forward_alone(token_ids, adapter_slot))
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """float32 [n, hidden]: the final norm's output of one sequence, run as ``score`` runs it
         (``PytorchEngine.get_hidden_states``)."""
-        return self.forward_alone(token_ids, adapter_slot).float()
+        return self.on_all_ranks('forward_alone', token_ids, adapter_slot).float()
 
     def forward_alone(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """The model's hidden states [n, hidden] (after the final norm, the model dtype) of one sequence

@@ -296,7 +296,9 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
           session_len: int | None = None, max_batch_size: int | None = None,
           cache_max_entry_count: float | None = None, cache_block_seq_len: int | None = None,
           enable_prefix_caching: bool = False, quant_policy: int = 0, model_format: str | None = None,
-          tp: int = 1, dtype: str = 'auto', num_threads: int | None = None, device: str | None = None,
+          tp: int = 1, dp: int = 1, pp: int = 1, distributed_executor_backend: str | None = None,
+          ray_address: str | None = None, dtype: str = 'auto', num_threads: int | None = None,
+          device: str | None = None,
           int8_activations: bool = False, speculative_algorithm: str | None = None,
           speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None,
           adapters=None, task: str = 'generate', log_level: str = 'INFO') -> None:
@@ -328,6 +330,13 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
         quant_policy: KV cache quantization: 0 none, 8 int8, 4 int4.
         model_format: hf, awq, w8a8 or gguf (default: from the model).
         tp: tensor parallel degree.
+        dp: data-parallel replicas: DP whole engines behind this one server, requests spread by load and by
+            prefix-cache locality, each replica with NUM_THREADS // DP threads.
+        pp: pipeline parallel stages (PyTorch engine).
+        distributed_executor_backend: how the PyTorch engine starts its tp x pp ranks: mp (local processes,
+            the default) or ray (a Ray cluster's placement group).
+        ray_address: the Ray cluster to place the ranks on (default: RAY_ADDRESS, else a local one); implies
+            --distributed-executor-backend ray.
         dtype: auto, float32, bfloat16 or float16.
         num_threads: CPU threads for the engine (default: all cores).
         device: cpu or cuda.
@@ -357,7 +366,9 @@ def serve(model_path: str | None = None, *, backend: str = 'auto', server_name: 
     fields = dict(session_len=session_len, max_batch_size=max_batch_size,
                   cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy,
-                  model_format=model_format, tp=tp, dtype=dtype, device=device, num_threads=num_threads,
+                  model_format=model_format, tp=tp, dp=dp, pp=pp,
+                  distributed_executor_backend=distributed_executor_backend, ray_address=ray_address,
+                  dtype=dtype, device=device, num_threads=num_threads,
                   speculative_config=command_speculative_config(speculative_algorithm, speculative_num_draft_tokens,
                                                                 speculative_draft_model),
                   adapters=parse_adapters(adapters) or None)

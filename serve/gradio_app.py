@@ -436,7 +436,9 @@ def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0
                  backend: str = 'auto', api_key: str | None = None, chat_template: str | None = None,
                  session_len: int | None = None, cache_max_entry_count: float | None = None,
                  enable_prefix_caching: bool | None = None, quant_policy: int | None = None, dtype: str | None = None,
-                 num_threads: int | None = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+                 num_threads: int | None = None, tp: int | None = None, dp: int | None = None, pp: int | None = None,
+                 distributed_executor_backend: str | None = None, ray_address: str | None = None,
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  share: bool = False, speculative_algorithm: str | None = None,
                  speculative_num_draft_tokens: int | None = None, speculative_draft_model: str | None = None) -> None:
     """A web chat (Gradio) on a model run here, on an api_server or on Triton: streamed answers, Stop, Clear,
@@ -457,6 +459,13 @@ def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0
         quant_policy: KV cache quantization (0, 8, 4), for a local model.
         dtype: auto, float32, bfloat16 or float16, for a local model.
         num_threads: CPU threads for a local engine (default: all cores).
+        tp: tensor parallel degree, for a local model.
+        dp: data-parallel replicas of a local engine, each with NUM_THREADS // DP threads.
+        pp: pipeline parallel stages, for a local model (PyTorch engine).
+        distributed_executor_backend: how a local PyTorch engine starts its tp x pp ranks: mp (local
+            processes, the default) or ray.
+        ray_address: the Ray cluster for the ranks (default: RAY_ADDRESS, else a local one); implies
+            --distributed-executor-backend ray.
         max_concurrent: answers generated at once, across all users.
         share: ask Gradio for a public link (needs the internet).
         speculative_algorithm: speculative decoding, for a local model: ngram (drafts by prompt lookup) or
@@ -464,17 +473,18 @@ def serve_gradio(model_or_url: str | None = None, *, server_name: str = '0.0.0.0
         speculative_num_draft_tokens: tokens drafted per step (default 4), for a local model.
         speculative_draft_model: the draft model, with draft_target.
     """
-    from lmd.backend import check_backend, command_speculative_config
-    from lmd.messages import EngineConfig
+    from lmd.backend import check_backend, command_engine_config, command_speculative_config
     check_backend(backend)
     local = not (isinstance(model_or_url, str) and model_or_url.startswith(('http://', 'https://', 'triton://')))
     fields = dict(session_len=session_len, cache_max_entry_count=cache_max_entry_count,
                   enable_prefix_caching=enable_prefix_caching, quant_policy=quant_policy, dtype=dtype,
-                  num_threads=num_threads, speculative_config=command_speculative_config(
+                  num_threads=num_threads, tp=tp, dp=dp, pp=pp,
+                  distributed_executor_backend=distributed_executor_backend, ray_address=ray_address,
+                  speculative_config=command_speculative_config(
                       speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model))
     fields = {k: v for k, v in fields.items() if v is not None}
     # given for a URL, the engine flags, the backend and the template are an error open_chat_client names
-    config = EngineConfig(**fields) if fields else None
+    config = command_engine_config(fields, backend) if fields else None
     template = ChatTemplateConfig(model_name=chat_template) if chat_template else None
     run_gradio(model_or_url, server_name=server_name, server_port=server_port,
                backend=backend if local or backend != 'auto' else None, backend_config=config,

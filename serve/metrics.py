@@ -21,16 +21,43 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075
 
 
 class _EngineCollector:
-    """Reads the engine's stats at scrape time."""
+    """Reads the engine's stats at scrape time; with data-parallel replicas (``--dp``) also each
+    replica's requests and prefix-cache counters, labelled ``replica``."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str,
+                 replica_stats: Callable[[], list[EngineStats]] | None = None):
         self._stats = stats
+        self._replica_stats = replica_stats
         self._labels = ['model_name'], [model_name]
 
     def collect(self):
         s = self._stats()
         if s is None:  # still loading
             return
+        yield from self._engine(s)
+        replicas = self._replica_stats() if self._replica_stats is not None else []
+        if len(replicas) > 1:
+            yield from self._replicas(replicas)
+
+    def _replicas(self, replicas: list[EngineStats]):
+        names, values = self._labels
+
+        def family(kind, name, doc, field):
+            f = kind(name, doc, labels=[*names, 'replica'])
+            for i, r in enumerate(replicas):
+                f.add_metric([*values, str(i)], getattr(r, field))
+            return f
+
+        yield family(GaugeMetricFamily, 'lmd:replica_num_requests_running', 'Requests each replica is running now.',
+                     'num_running')
+        yield family(GaugeMetricFamily, 'lmd:replica_num_requests_waiting', 'Requests queued in each replica.',
+                     'num_waiting')
+        yield family(CounterMetricFamily, 'lmd:replica_prefix_cache_queries',
+                     'Prompt tokens each replica looked up in its prefix cache.', 'num_prefix_query_tokens')
+        yield family(CounterMetricFamily, 'lmd:replica_prefix_cache_hits',
+                     'Prompt tokens each replica served from its prefix cache.', 'num_prefix_hit_tokens')
+
+    def _engine(self, s: EngineStats):
         names, values = self._labels
 
         def gauge(name, doc, value):
@@ -69,9 +96,10 @@ class _EngineCollector:
 
 class ServerMetrics:
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
+                 replica_stats: Callable[[], list[EngineStats]] | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, replica_stats))
         labels = dict(labelnames=['model_name'], registry=self.registry)
         m = model_name
         self.ttft = Histogram('lmd:time_to_first_token_seconds', 'Time from arrival to the first token.',

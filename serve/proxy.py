@@ -40,6 +40,7 @@ from .proxy_nodes import (
     describe,
     error_response,
     normalize_url,
+    request_prefix,
 )
 
 __all__ = ['LATENCY_WINDOW', 'ROUTING_STRATEGIES', 'Node', 'NodeTable', 'ProxyError', 'Relay', 'build_app',
@@ -118,10 +119,11 @@ class Relay:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_REQUEST_HEADERS}
         headers['accept-encoding'] = 'identity'  # relay bytes as they come, never re-encoded
 
+        prefix = request_prefix(payload) if self.table.router is not None else None
         tried: set[str] = set()
         why: dict[str, str] = {}
         while True:
-            node = self.table.choose(model, tried, why)
+            node = self.table.choose(model, tried, why, prefix)
             # counted before the first await, so requests arriving together see each other's choice
             node.unfinished += 1
             node.num_requests += 1
@@ -228,7 +230,7 @@ def build_app(routing_strategy: str = 'min_expected_latency', api_keys=None, hea
     """The proxy's FastAPI app.
 
     Args:
-        routing_strategy: 'random', 'min_expected_latency' or 'min_observed_latency'.
+        routing_strategy: 'random', 'min_expected_latency', 'min_observed_latency' or 'prefix_aware'.
         api_keys: keys a client must send as ``Authorization: Bearer KEY`` (to /v1/* and /nodes/*);
             None or empty lets everyone in.
         health_check_interval: seconds between health probes of every node.
@@ -369,7 +371,9 @@ def proxy(*, server_name: str = '0.0.0.0', server_port: int = 8000, routing_stra
         server_name: the address to listen on.
         server_port: the port to listen on.
         routing_strategy: random (weighted by node speed), min_expected_latency (least unfinished
-            requests x mean latency) or min_observed_latency (least mean latency).
+            requests x mean latency), min_observed_latency (least mean latency) or prefix_aware (the node
+            that was sent the longest prefix of the prompt, whose prefix cache likely holds it, unless the
+            nodes' unfinished requests are out of balance; for api_servers with --enable-prefix-caching).
         api_keys: keys clients must send as "Authorization: Bearer KEY" (also for /nodes/*); the header
             is forwarded to the nodes unchanged.
         health_check_interval: seconds between health probes of the nodes.

@@ -7,10 +7,16 @@ What a node's state means (``Node``):
   unhealthy at once. Unhealthy nodes get no requests until they answer again.
 - ``unfinished``: requests the proxy has sent it and not finished relaying (streams included).
 - ``latencies``: end-to-end seconds of its last ``LATENCY_WINDOW`` successful requests.
+
+The ``prefix_aware`` strategy (SGLang's cache-aware routing, ``lmd.prefix_router``) keeps a record of
+the prompts sent to each node: a request goes to the node that was sent the longest prefix of its
+prompt (``request_prefix``: a chat's messages as text, a completion's prompt text or token ids), whose
+prefix cache most likely still holds it, unless the nodes' unfinished requests are out of balance.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -21,10 +27,15 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi.responses import JSONResponse
 
+from lmd.prefix_router import PrefixRouter, chunk_keys
+
 logger = logging.getLogger('lmd.proxy')
 
-ROUTING_STRATEGIES = ('random', 'min_expected_latency', 'min_observed_latency')
+ROUTING_STRATEGIES = ('random', 'min_expected_latency', 'min_observed_latency', 'prefix_aware')
 LATENCY_WINDOW = 32
+# prefix_aware: a prompt's record is kept in chunks of this many characters of text, or token ids (a text
+# token is ~4 characters), and each node's record holds at most PREFIX_CAPACITY chunks
+TEXT_CHUNK, IDS_CHUNK, PREFIX_CAPACITY = 64, 16, 1 << 16
 
 _ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
                 503: 'service_unavailable'}  # as the api_server names them
@@ -136,7 +147,39 @@ def choose_node(nodes: list[Node], strategy: str, rng: random.Random) -> Node:
                                       for n, lat in zip(nodes, latencies)], rng)
     if strategy == 'min_observed_latency':
         return _argmin_random(nodes, [n.mean_latency() or 0.0 for n in nodes], rng)
+    if strategy == 'prefix_aware':
+        raise ValueError("routing strategy 'prefix_aware' needs the prompts sent before: NodeTable.choose keeps them")
     raise ValueError(f'routing strategy {strategy!r} is invalid: allowed values are {", ".join(ROUTING_STRATEGIES)}')
+
+
+def request_prefix(payload: dict) -> str | list[int] | None:
+    """What prefix_aware routes a request by: a chat's tools and messages as one text (each message its
+    role and its text parts), a completion's prompt (the first, of a batch) as text or token ids, an
+    embedding's input alike; None when there is none."""
+    messages = payload.get('messages')
+    if isinstance(messages, list):
+        parts = [json.dumps(payload['tools'], sort_keys=True)] if payload.get('tools') else []
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f'\x00{m.get("role")}\x00{_text(m.get("content"))}')
+        return ''.join(parts)
+    prompt = payload.get('prompt', payload.get('input'))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return None
+
+
+def _text(content) -> str:
+    """A message's content as text: a string, or the text of its parts (images and audio count as nothing)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return ''.join(p.get('text') or '' for p in content if isinstance(p, dict))
+    return ''
 
 
 # ---- the node table -------------------------------------------------------------------------
@@ -155,10 +198,14 @@ class NodeTable:
         self.health_check_timeout = health_check_timeout
         self.nodes: dict[str, Node] = {}
         self.rng = random.Random(seed)
+        self.router = PrefixRouter(TEXT_CHUNK, PREFIX_CAPACITY) if routing_strategy == 'prefix_aware' else None
         self._ready_tasks: dict[str, asyncio.Task] = {}
         self._probes: set[asyncio.Task] = set()
 
-    def choose(self, model: str | None, exclude: set[str], why_excluded: dict[str, str]) -> Node:
+    def choose(self, model: str | None, exclude: set[str], why_excluded: dict[str, str],
+               prefix: str | list[int] | None = None) -> Node:
+        """A healthy node serving ``model``, not in ``exclude``, by the strategy; ``prefix``: the request's
+        (``request_prefix``), which prefix_aware routes by and records."""
         if not self.nodes:
             raise ProxyError(503, 'no api_server is registered with the proxy: start one with --proxy-url '
                              'pointing here, or POST {"url": ...} to /nodes/add',
@@ -187,6 +234,11 @@ class NodeTable:
             what = f'model {model!r}' if model is not None else 'this request'
             raise ProxyError(503, f'no healthy api_server can serve {what}: {"; ".join(reasons)}',
                              code='no_healthy_node')
+        if self.router is not None:
+            keys = [] if prefix is None else chunk_keys(prefix, TEXT_CHUNK if isinstance(prefix, str) else IDS_CHUNK,
+                                                        salt=model)
+            url = self.router.choose([n.url for n in candidates], [n.unfinished for n in candidates], keys)
+            return self.nodes[url]
         return choose_node(candidates, self.strategy, self.rng)
 
     async def add(self, url: str, models: list[str] | None = None, speed: float | None = None,
@@ -218,6 +270,8 @@ class NodeTable:
         task = self._ready_tasks.pop(url, None)
         if task is not None:
             task.cancel()
+        if self.router is not None:
+            self.router.forget(url)
         logger.info('node %s removed', url)
         return node
 

@@ -61,7 +61,7 @@ class Server:
         self.engine: AsyncEngine | None = engine
         self.engine_factory = engine_factory
         self.load_error: str | None = None
-        self.metrics = ServerMetrics(config.model_name, self._stats)
+        self.metrics = ServerMetrics(config.model_name, self._stats, self._replica_stats)
         self.semaphore = (asyncio.Semaphore(config.max_concurrent_requests)
                           if config.max_concurrent_requests else None)
         self.sessions: dict[int, bool] = {}  # /generate's interactive sessions: id -> started
@@ -140,6 +140,9 @@ class Server:
 
     def _stats(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.stats()
+
+    def _replica_stats(self) -> list[EngineStats]:
+        return [] if self.engine is None else self.engine.replica_stats()
 
     def health(self) -> tuple[bool, str]:
         if self.load_error:

@@ -46,16 +46,18 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
     ``engine_fields`` are TurbomindEngineConfig / PytorchEngineConfig fields (session_len,
     cache_max_entry_count, device...). Other models already in the repository are left alone.
     """
-    from lmd.backend import CONFIGS, check_backend, resolve_backend
-    from lmd.messages import EngineConfig
+    from lmd.backend import CONFIGS, check_backend, command_engine_config, resolve_backend
     from lmd.model_path import prepare_model_dir, resolve_model_path
 
     check_backend(backend)
     path = resolve_model_path(model_path)
     model_dir = prepare_model_dir(path)  # fails now, not when Triton loads it; converts a GGUF once
     fields = {k: v for k, v in engine_fields.items() if v is not None}
-    # 'auto' is decided here: the engine models are told which engine to build
-    asked = EngineConfig(**{k: v for k, v in fields.items() if k in ('model_format', 'device')})
+    if 'ray_address' in fields:  # as the commands read --ray-address
+        fields.setdefault('distributed_executor_backend', 'ray')
+    # 'auto' is decided here: the engine models are told which engine to build (the PyTorch engine's
+    # own fields, pp and the executor, ask for it; TurboMind refuses them)
+    asked = command_engine_config(fields, backend)
     backend, why = resolve_backend(model_dir, backend, asked)
     config = CONFIGS[backend](**fields)  # checks them
     logger.info('engine %s (%s)', backend, why)
@@ -93,7 +95,9 @@ def serve_triton(model_path: str | None = None, *, model_repository: str = 'trit
                  session_len: int | None = None, max_batch_size: int | None = None,
                  cache_max_entry_count: float | None = None, cache_block_seq_len: int | None = None,
                  enable_prefix_caching: bool = False, quant_policy: int = 0, model_format: str | None = None,
-                 dtype: str = 'auto', num_threads: int | None = None, device: str | None = None) -> int:
+                 dtype: str = 'auto', num_threads: int | None = None, device: str | None = None, tp: int = 1,
+                 dp: int = 1, pp: int = 1, distributed_executor_backend: str | None = None,
+                 ray_address: str | None = None) -> int:
     """Write a Triton Inference Server model repository for a model; --launch also runs tritonserver on it.
 
     The repository holds ensemble (preprocessing -> engine -> postprocessing) and lmd_model (the whole
@@ -124,6 +128,14 @@ def serve_triton(model_path: str | None = None, *, model_repository: str = 'trit
         dtype: auto, float32, bfloat16 or float16.
         num_threads: CPU threads for the engine (default: all cores).
         device: cpu or cuda (cuda puts the engine models in KIND_GPU instances).
+        tp: tensor parallel degree.
+        dp: data-parallel replicas of the engine inside each engine model instance, each with
+            NUM_THREADS // DP threads.
+        pp: pipeline parallel stages (PyTorch engine).
+        distributed_executor_backend: how the PyTorch engine starts its tp x pp ranks: mp (local processes,
+            the default) or ray.
+        ray_address: the Ray cluster for the ranks (default: RAY_ADDRESS, else a local one); implies
+            --distributed-executor-backend ray.
 
     Returns tritonserver's exit status with --launch, else 0.
     """
@@ -132,7 +144,9 @@ def serve_triton(model_path: str | None = None, *, model_repository: str = 'trit
                          cache_max_entry_count=cache_max_entry_count, cache_block_seq_len=cache_block_seq_len,
                          enable_prefix_caching=enable_prefix_caching or None, quant_policy=quant_policy or None,
                          model_format=model_format, dtype=None if dtype == 'auto' else dtype,
-                         num_threads=num_threads, device=device)
+                         num_threads=num_threads, device=device, tp=None if tp == 1 else tp,
+                         dp=None if dp == 1 else dp, pp=None if pp == 1 else pp,
+                         distributed_executor_backend=distributed_executor_backend, ray_address=ray_address)
     repo = build_repository(model_path, model_repository, backend=backend, models=models,
                             chat_template=chat_template, postprocessing_instances=postprocessing_instances,
                             **engine_fields)

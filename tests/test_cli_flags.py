@@ -144,3 +144,112 @@ def test_ambiguous_short_flag():
         """g."""
     with pytest.raises(UsageError, match='-t is ambiguous'):
         check_arguments(g, ['-t', '1'], 'cmd')
+
+
+# ---- the scaling flags: --tp, --dp, --pp, --distributed-executor-backend, --ray-address on every command
+# that builds an engine ------------------------------------------------------------------------------------
+
+SCALING = ('tp', 'dp', 'pp', 'distributed_executor_backend', 'ray_address')
+
+
+def _engine_commands():
+    from lmd.chat import chat
+    from lmd.cli import eval_ppl
+    from lmd.serve.api_server import serve
+    from lmd.serve.gradio_app import serve_gradio
+    from lmd.serve.triton import serve_triton
+    return dict(api_server=serve, chat=chat, gradio=serve_gradio, triton=serve_triton, eval_ppl=eval_ppl)
+
+
+@pytest.mark.parametrize('name', ['api_server', 'chat', 'gradio', 'triton', 'eval_ppl'])
+def test_every_engine_command_takes_the_scaling_flags(name):
+    params = inspect.signature(_engine_commands()[name]).parameters
+    assert all(p in params and params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in SCALING), name
+
+
+def test_command_engine_config_of_the_scaling_flags():
+    from lmd.backend import command_engine_config
+    from lmd.messages import EngineConfig, PytorchEngineConfig
+    cfg = command_engine_config(dict(tp=1, dp=2, pp=1, distributed_executor_backend=None, ray_address=None), 'auto')
+    assert type(cfg) is EngineConfig and cfg.dp == 2  # dp and tp are shared: either engine
+    cfg = command_engine_config(dict(dp=2, pp=2, session_len=64), 'auto')
+    assert type(cfg) is PytorchEngineConfig and (cfg.dp, cfg.pp, cfg.session_len) == (2, 2, 64)
+    cfg = command_engine_config(dict(ray_address='10.0.0.1:6379'), 'pytorch')  # the address implies ray
+    assert cfg.distributed_executor_backend == 'ray' and cfg.ray_address == '10.0.0.1:6379'
+    cfg = command_engine_config(dict(distributed_executor_backend='mp'), 'auto')
+    assert type(cfg) is PytorchEngineConfig and cfg.distributed_executor_backend == 'mp'
+    for fields, flag in [(dict(pp=2), '--pp 2'), (dict(distributed_executor_backend='ray'),
+                                                   '--distributed-executor-backend ray'),
+                         (dict(ray_address='auto'), '--ray-address auto')]:
+        with pytest.raises(ValueError, match=f'{flag} is a PyTorch engine setting .* --backend pytorch or auto'):
+            command_engine_config(fields, 'turbomind')
+    with pytest.raises(ValueError, match='--int8-activations is a TurboMind setting and --pp a PyTorch'):
+        command_engine_config(dict(pp=2), 'auto', int8_activations=True)
+    with pytest.raises(ValueError, match='distributed_executor_backend'):
+        command_engine_config(dict(distributed_executor_backend='slurm'), 'auto')
+
+
+def test_scaling_flags_reach_the_engine_config(monkeypatch, tmp_path):
+    """Each command's flags, as it hands them to the engine (nothing loads)."""
+    import json
+
+    import uvicorn
+
+    from lmd import api
+    from lmd.messages import PytorchEngineConfig
+    from lmd.serve import api_server, gradio_app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(name):
+        def fake(*args, backend=None, backend_config=None, **kwargs):
+            seen[name] = (backend, backend_config)
+            raise Stop()
+        return fake
+
+    monkeypatch.setattr(api_server, 'AsyncEngine', lambda *a, **kw: record('api_server')(*a, **kw))
+    monkeypatch.setattr(uvicorn, 'run', lambda app, **kw: app.state.server.engine_factory())
+    with pytest.raises(Stop):
+        api_server.serve('smollm2', dp=2, pp=2, tp=1, ray_address='127.0.0.1:6379', num_threads=2)
+    backend, cfg = seen['api_server']
+    assert isinstance(cfg, PytorchEngineConfig) and (cfg.dp, cfg.pp, cfg.num_threads) == (2, 2, 2)
+    assert (cfg.distributed_executor_backend, cfg.ray_address) == ('ray', '127.0.0.1:6379') and backend == 'auto'
+
+    monkeypatch.setattr(api, 'pipeline', lambda *a, **kw: record('chat')(*a, **kw))
+    from lmd.chat import chat
+    with pytest.raises(Stop):
+        chat('smollm2', dp=2)
+    assert seen['chat'][1].dp == 2
+
+    monkeypatch.setattr(gradio_app, 'run_gradio', lambda *a, **kw: record('gradio')(*a, **kw))
+    with pytest.raises(Stop):
+        gradio_app.serve_gradio('smollm2', dp=2, distributed_executor_backend='mp')
+    assert isinstance(seen['gradio'][1], PytorchEngineConfig) and seen['gradio'][1].dp == 2
+    with pytest.raises(Stop):  # given with a URL, they are an error open_chat_client names
+        gradio_app.serve_gradio('http://127.0.0.1:1', dp=2)
+    with pytest.raises(ValueError, match='engine options and chat_template apply to a local model'):
+        gradio_app.open_chat_client('http://127.0.0.1:1', *seen['gradio'])
+
+    from lmd.serve.triton import build_repository
+    repo = build_repository('smollm2', str(tmp_path / 'repo'), models='engine', dp=2, pp=2)
+    text = open(tmp_path / 'repo' / 'engine' / 'config.pbtxt').read()
+    assert '\\"dp\\": 2' in text and '\\"pp\\": 2' in text and '"pytorch"' in text, text
+    with pytest.raises(ValueError, match='--pp 2 is a PyTorch engine setting'):
+        build_repository('smollm2', repo, backend='turbomind', models='engine', pp=2)
+
+    import lmd.lite.eval_ppl as lite_eval_ppl
+    monkeypatch.setattr(lite_eval_ppl, 'eval_ppl', lambda *a, **kw: record('eval_ppl')(*a, **kw))
+    from lmd.cli import eval_ppl
+    with pytest.raises(Stop):
+        eval_ppl('smollm2', pp=2, dp=2)
+    assert seen['eval_ppl'][0] == 'pytorch'  # a PyTorch engine setting picks that engine
+
+
+def test_scaling_flags_the_engine_refuses_are_one_error_line():
+    line = one_error_line(run(LMD + ['serve', 'api_server', 'smollm2', '--backend', 'turbomind', '--pp', '2']))
+    assert '--pp 2 is a PyTorch engine setting' in line
+    line = one_error_line(run(LMD + ['lite', 'eval_ppl', 'smollm2', '--backend', 'hf', '--dp', '2']))
+    assert "backend 'hf'" in line

@@ -181,6 +181,9 @@ class CausalLM:
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
         self.scale = config.attention_scale
+        # tensor parallelism (distributed.TensorParallel): this rank's heads, columns of I and rows of the
+        # vocabulary (lmd.weights.tensor_parallel), summed and gathered over the ranks; None: all of them
+        self.tp = None
 
     def build_rope(self, session_len: int | None = None) -> None:
         """The RoPE table for sequences up to ``session_len`` (default: the model's context); LongRoPE
@@ -231,8 +234,10 @@ class CausalLM:
         num_heads, num_kv_heads, q_size = self.num_heads, self.num_kv_heads, self.q_size
         slot_mapping = ctx.slot_mapping
 
+        tp = self.tp
         # the residual stream is updated in place: add_rms_norm(delta, residual) adds, then normalises
-        residual = F.embedding(input_ids, self.embed_tokens)
+        residual = F.embedding(input_ids, self.embed_tokens) if tp is None else tp.embedding(input_ids,
+                                                                                              self.embed_tokens)
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         delta = None
@@ -263,6 +268,8 @@ class CausalLM:
             delta = linear(o, layer.o)
             if lora is not None:
                 lora.add(i, 'o', o, delta)
+            if tp is not None:
+                tp.all_reduce(delta)
             if layer.attn_out_norm is not None:
                 delta = rms_norm(delta, layer.attn_out_norm, eps)
             # MLP block
@@ -280,6 +287,8 @@ class CausalLM:
                 lora.add(i, 'down', act, delta)
             else:
                 delta = layer.moe(x)
+            if tp is not None:
+                tp.all_reduce(delta)
             if layer.mlp_out_norm is not None:
                 delta = rms_norm(delta, layer.mlp_out_norm, eps)
         return add_rms_norm(delta, residual, self.norm, eps)
@@ -309,6 +318,7 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (already normed by forward) -> float32 logits [N, vocab] (soft-capped: Gemma 2)."""
-        logits = self.kernels.linear(hidden, self.lm_head_params).float()
+        logits = self.kernels.linear(hidden, self.lm_head_params)
+        logits = (logits if self.tp is None else self.tp.gather_vocab(logits)).float()
         cap = self.config.logit_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
