@@ -39,6 +39,23 @@ class RankFailure(RuntimeError):
     """A tensor-parallel rank is gone: the engine's group cannot run another step."""
 
 
+def check_parallel_config(config, model_config) -> None:
+    """ValueError (ModelFormatError for the model) unless the engine runs ``config``'s ranks: tp on CPUs
+    without LoRA adapters, a model ``check_tensor_parallel`` shards; no pipeline stages yet."""
+    from lmd.weights.tensor_parallel import check_tensor_parallel
+
+    if config.pp != 1:
+        raise ValueError(f'PytorchEngineConfig.pp={config.pp} is invalid: pipeline parallelism is not implemented '
+                         'yet' + ('; use tp' if config.tp > 1 else ''))
+    if config.tp == 1:
+        return
+    check_tensor_parallel(model_config, config.tp)
+    if config.adapters or torch.device(config.device).type != 'cpu':
+        raise ValueError(f'PytorchEngineConfig.tp={config.tp}: tensor parallelism runs on CPUs (gloo) without LoRA '
+                         'adapters so far' + ('; adapters were given' if config.adapters
+                                              else f'; device={config.device!r}'))
+
+
 def make_store(host: str, port: int, is_master: bool) -> dist.Store:
     """The TCP store the ranks meet at (the driver's, ``is_master``; port 0: any free one)."""
     return dist.TCPStore(host, port, None, is_master, TIMEOUT, wait_for_workers=False)
@@ -141,21 +158,15 @@ def build_rank_model(model_dir: str, config, rank: int, size: int, group: dist.P
     over ``config`` (a PytorchEngineConfig), with ``num_blocks`` KV blocks of its KV heads."""
     from lmd.model_config import ModelConfig
     from lmd.weights.dtype import resolve_dtype
-    from lmd.weights.tensor_parallel import shard_config, shard_weights
 
-    from .loading import load_model_weights
+    from .loading import load_model
     from .model_runner import ModelRunner
-    from .models import build_model
 
     mc = ModelConfig.from_dir(model_dir)
-    dtype = resolve_dtype(config.dtype, mc)
     device = torch.device(config.device)
-    weights, quantized, fmt = load_model_weights(model_dir, mc, config.model_format, dtype)
-    weights, quantized = shard_weights(mc, weights, quantized, rank, size)
-    model = build_model(shard_config(mc, rank, size), weights, dtype, device, config.kernel_backend, quantized)
-    del weights, quantized
+    model, fmt = load_model(model_dir, mc, config.model_format, resolve_dtype(config.dtype, mc), device,
+                            config.kernel_backend, rank, size)
     model.tp = TensorParallel(group, rank, size, mc.vocab_size)
-    model.kernels.set_num_threads(torch.get_num_threads())
     model.build_rope(session_len)
     runner = ModelRunner(model, num_blocks, config.cache_block_seq_len, device, config.quant_policy, ranks=ranks)
     return runner, fmt

@@ -26,12 +26,12 @@ from lmd.lora import AdapterSlot, LoraAdapter, check_fits
 from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import resolve_dtype
-from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
-from lmd.weights.tensor_parallel import check_tensor_parallel, shard_config
+from lmd.weights.memory import cache_size, kv_block_bytes
+from lmd.weights.tensor_parallel import shard_config
 
 from .block_manager import BlockManager
-from .loading import load_model_weights
-from .distributed import RankFailure
+from .loading import load_model
+from .distributed import RankFailure, check_parallel_config
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
@@ -68,7 +68,6 @@ class _Call:
 class PytorchEngine(Engine):
 
     def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
-        from .models import build_model
         from .sampler import Sampler
 
         cfg = config or PytorchEngineConfig()
@@ -80,18 +79,7 @@ class PytorchEngine(Engine):
         self.dtype = resolve_dtype(cfg.dtype, mc)
         self.device = device
         tp = cfg.tp
-        if tp > 1:
-            check_tensor_parallel(mc, tp)
-            if cfg.pp != 1:
-                raise ValueError(f'PytorchEngineConfig.pp={cfg.pp} is invalid: pipeline parallelism is not '
-                                 'implemented yet; use tp')
-            if cfg.adapters or device.type != 'cpu':
-                raise ValueError(f'PytorchEngineConfig.tp={tp}: tensor parallelism runs on CPUs (gloo) without '
-                                 'LoRA adapters so far' + (f'; device={cfg.device!r}' if device.type != 'cpu'
-                                                           else '; adapters were given'))
-        elif cfg.pp != 1:
-            raise ValueError(f'PytorchEngineConfig.pp={cfg.pp} is invalid: pipeline parallelism is not implemented '
-                             'yet')
+        check_parallel_config(cfg, mc)
         # each rank's threads: the cores shared out over the ranks unless num_threads says
         threads = cfg.num_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
         if threads is not None:
@@ -112,10 +100,8 @@ class PytorchEngine(Engine):
                 self.executor.close()
                 raise
         else:
-            weights, quantized, self.model_format = load_model_weights(model_dir, mc, cfg.model_format, self.dtype)
-            model = build_model(mc, weights, self.dtype, device, cfg.kernel_backend, quantized)
-            model.kernels.set_num_threads(torch.get_num_threads())
-            del weights, quantized
+            model, self.model_format = load_model(model_dir, mc, cfg.model_format, self.dtype, device,
+                                                  cfg.kernel_backend)
             num_blocks, session_len = self._cache_size(mc, tp)  # of the memory the weights left
             model.build_rope(session_len)  # LongRoPE picks its factors by the longest sequence served
             self.runner = ModelRunner(model, num_blocks, block_size, device, cfg.quant_policy)
@@ -169,21 +155,12 @@ class PytorchEngine(Engine):
             torch.set_num_threads(threads)
 
     def _cache_size(self, mc: ModelConfig, tp: int) -> tuple[int, int]:
-        """(KV blocks, session_len) of this engine's cache: ``num_cache_blocks``, or the fraction of free
-        memory ``cache_max_entry_count`` asks (capped on a CPU); a rank's cache holds its KV heads, and on a
-        CPU the ranks share the host's memory."""
-        cfg, device, block_size = self.config, self.device, self.config.cache_block_seq_len
-        session_len = default_session_len(mc, cfg.session_len)
-        if cfg.num_cache_blocks is not None:
-            num_blocks = cfg.num_cache_blocks
-        else:
-            block_bytes = kv_block_bytes(shard_config(mc, 0, tp), block_size, self.dtype, cfg.quant_policy)
-            max_bytes = None if device.type != 'cpu' or cfg.max_cache_memory_gib is None \
-                else cfg.max_cache_memory_gib * _GIB
-            num_blocks = num_blocks_from_memory(block_bytes * (tp if device.type == 'cpu' else 1), device,
-                                                cfg.cache_max_entry_count, max_bytes, session_len, block_size)
-        return num_blocks, fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
-                                           cfg.max_prefill_token_num or session_len)
+        """(KV blocks, session_len) of this engine's cache (``lmd.weights.memory.cache_size``, capped on a
+        CPU): a rank's cache holds its KV heads, and on a CPU the ranks share the host's memory."""
+        cfg, cpu = self.config, self.device.type == 'cpu'
+        block_bytes = kv_block_bytes(shard_config(mc, 0, tp), cfg.cache_block_seq_len, self.dtype, cfg.quant_policy)
+        max_bytes = cfg.max_cache_memory_gib * _GIB if cpu and cfg.max_cache_memory_gib is not None else None
+        return cache_size(mc, cfg, block_bytes * (tp if cpu else 1), self.device, max_bytes)
 
     # ---- the Engine interface (any thread) -------------------------------------------------------------
 
@@ -420,14 +397,11 @@ class PytorchEngine(Engine):
 
     def _load_draft_model(self, model_dir: str, session_len: int):
         """A draft model (``SpeculativeConfig.model``) built as this engine's: its dtype, device and kernels."""
-        from .models import build_model
         mc = ModelConfig.from_dir(model_dir)
         if mc.vocab_size != self.model_config.vocab_size:
             raise ValueError(f'SpeculativeConfig.model={model_dir!r} is invalid: its vocabulary has {mc.vocab_size} '
                              f'tokens, the model\'s {self.model_config.vocab_size}; a draft model shares the tokenizer')
-        weights, quantized, _ = load_model_weights(model_dir, mc, None, self.dtype)
-        model = build_model(mc, weights, self.dtype, self.device, self.config.kernel_backend, quantized)
-        model.kernels.set_num_threads(torch.get_num_threads())
+        model, _ = load_model(model_dir, mc, None, self.dtype, self.device, self.config.kernel_backend)
         model.build_rope(session_len)
         return model
 

@@ -25,7 +25,6 @@ class RankExecutor:
     """Ranks 1 .. tp-1 of an engine, started; ``ranks`` is the driver's line to them."""
 
     def __init__(self, model_dir: str, config, num_blocks: int, session_len: int, num_threads: int):
-        from .distributed import TensorParallel  # noqa: F401  (imported before any rank starts)
         self.size = size = config.tp
         self.backend = config.distributed_executor_backend or 'mp'
         host = '127.0.0.1'
@@ -121,7 +120,7 @@ class RankExecutor:
         self._runs = {}
         for rank in range(1, size):
             actor = rank_actor.options(
-                name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank)).remote()
             self._actors.append(actor)
             self._runs[actor.run.remote(run_rank, model_dir, config, rank, size, host, port, num_blocks,

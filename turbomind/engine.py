@@ -28,14 +28,13 @@ import weakref
 
 import torch
 
-from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SamplingParams,
-                        SessionTable, deliver, scored_token_ids)
+from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable, deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.lora import LoraAdapter
 from lmd.messages import SpeculativeConfig, TurbomindEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import resolve_dtype
-from lmd.weights.memory import default_session_len, fit_session_len, kv_block_bytes, num_blocks_from_memory
+from lmd.weights.memory import cache_size, kv_block_bytes
 from lmd.weights.turbomind_layout import load_fused
 
 from lmd import kernels
@@ -74,15 +73,8 @@ class TurbomindEngine(Engine):
         self.dtype = resolve_dtype(cfg.dtype, mc)
 
         block_size = cfg.cache_block_seq_len
-        session_len = default_session_len(mc, cfg.session_len)
-        if cfg.num_cache_blocks is not None:
-            num_blocks = cfg.num_cache_blocks
-        else:
-            num_blocks = num_blocks_from_memory(kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy),
-                                                torch.device('cpu'), cfg.cache_max_entry_count, MAX_CPU_CACHE_BYTES,
-                                                session_len, block_size)
-        session_len = fit_session_len(session_len, num_blocks, block_size, mc.kv_window,
-                                      cfg.max_prefill_token_num or session_len)
+        num_blocks, session_len = cache_size(mc, cfg, kv_block_bytes(mc, block_size, self.dtype, cfg.quant_policy),
+                                             torch.device('cpu'), MAX_CPU_CACHE_BYTES)
         self.session_len = session_len
 
         # float, GGUF (its 4-bit matmuls and Q8_0 head as they are), AWQ, W8A8, or TurboMind's own layout

@@ -106,3 +106,19 @@ def fit_session_len(session_len: int, num_blocks: int, block_size: int, window: 
                        session_len, num_blocks * block_size, num_blocks, block_size)
         return num_blocks * block_size
     return session_len
+
+
+def cache_size(config: ModelConfig, engine_config, block_bytes: int, device: torch.device,
+               max_bytes: float | None) -> tuple[int, int]:
+    """(KV blocks, session_len) of an engine's cache: ``num_cache_blocks``, or what ``cache_max_entry_count``
+    of the free memory holds in blocks of ``block_bytes`` (at most ``max_bytes``); the session length
+    ``default_session_len`` gives, cut to what the blocks hold (``fit_session_len``). ``engine_config``:
+    the settings both engines share (``lmd.messages.EngineConfig``)."""
+    block_size = engine_config.cache_block_seq_len
+    session_len = default_session_len(config, engine_config.session_len)
+    num_blocks = engine_config.num_cache_blocks
+    if num_blocks is None:
+        num_blocks = num_blocks_from_memory(block_bytes, device, engine_config.cache_max_entry_count, max_bytes,
+                                            session_len, block_size)
+    return num_blocks, fit_session_len(session_len, num_blocks, block_size, config.kv_window,
+                                       engine_config.max_prefill_token_num or session_len)
