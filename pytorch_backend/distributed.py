@@ -1,15 +1,17 @@
-"""Tensor parallelism across processes: the ranks' process group, the driver's line to the other ranks,
-and the loop a rank runs.
+"""Tensor and pipeline parallelism across processes: the ranks' process groups, the driver's line to the
+other ranks, and the loop a rank runs.
 
 The engine's process is rank 0, the driver: it schedules, samples and talks to callers, as with one
-rank. The other ``tp - 1`` ranks are processes of their own (``executor.py`` starts them: local
+rank. The other ``tp * pp - 1`` ranks are processes of their own (``executor.py`` starts them: local
 processes, or Ray actors on a cluster's nodes), each holding its shard of the model
 (``lmd.weights.tensor_parallel``) and a KV cache of its KV heads with the same blocks as the driver's.
 Each call of the driver's ``ModelRunner`` that runs the model (a step, a scoring pass) is first sent to
 them as it is (``RankGroup.send``: the step's ``StepPlan``, plain lists: the scheduler's output, not
 tensors), and every rank then runs it; the model's collectives (``TensorParallel``: an all-reduce
 after attention and after the MLP, the embedding's all-reduce, the logits' all-gather) meet in the same
-order on every rank.
+order on every rank. With ``pp`` stages (``pipeline_parallel.py``) rank g is tensor-parallel rank g % tp
+of stage g // tp: it holds its stage's layers only, its tensor-parallel collectives run in its stage's
+group, and the stages hand their micro-batches on point to point.
 
 Collectives run on one process group made without ``torch.distributed.init_process_group`` (gloo on
 CPUs), so an engine's group is its own: several engines (and other torch.distributed users) live in
@@ -40,20 +42,26 @@ class RankFailure(RuntimeError):
 
 
 def check_parallel_config(config, model_config) -> None:
-    """ValueError (ModelFormatError for the model) unless the engine runs ``config``'s ranks: tp on CPUs
-    without LoRA adapters, a model ``check_tensor_parallel`` shards; no pipeline stages yet."""
+    """ValueError (ModelFormatError for the model) unless the engine runs ``config``'s ranks: tp and pp on
+    CPUs without LoRA adapters, a model ``check_tensor_parallel`` shards, at least a layer per stage of a
+    Llama-shaped decoder."""
+    from lmd.errors import ModelFormatError
     from lmd.weights.tensor_parallel import check_tensor_parallel
 
-    if config.pp != 1:
-        raise ValueError(f'PytorchEngineConfig.pp={config.pp} is invalid: pipeline parallelism is not implemented '
-                         'yet' + ('; use tp' if config.tp > 1 else ''))
-    if config.tp == 1:
+    tp, pp = config.tp, config.pp
+    if tp * pp == 1:
         return
-    check_tensor_parallel(model_config, config.tp)
+    check_tensor_parallel(model_config, tp)
+    if pp > 1 and model_config.mla is not None:
+        raise ModelFormatError(f'{model_config.architecture}: pipeline parallelism (pp={pp}) runs Llama-shaped '
+                               'decoders; its latent attention is not split into stages yet')
+    if pp > model_config.num_layers:
+        raise ValueError(f'PytorchEngineConfig.pp={pp} is invalid: the model has {model_config.num_layers} '
+                         'decoder layers, at least one per stage')
+    what = f'PytorchEngineConfig.tp={tp}' if pp == 1 else f'PytorchEngineConfig.tp={tp}, pp={pp}'
     if config.adapters or torch.device(config.device).type != 'cpu':
-        raise ValueError(f'PytorchEngineConfig.tp={config.tp}: tensor parallelism runs on CPUs (gloo) without LoRA '
-                         'adapters so far' + ('; adapters were given' if config.adapters
-                                              else f'; device={config.device!r}'))
+        raise ValueError(f'{what}: tensor and pipeline parallelism run on CPUs (gloo) without LoRA adapters '
+                         'so far' + ('; adapters were given' if config.adapters else f'; device={config.device!r}'))
 
 
 def make_store(host: str, port: int, is_master: bool) -> dist.Store:
@@ -61,13 +69,26 @@ def make_store(host: str, port: int, is_master: bool) -> dist.Store:
     return dist.TCPStore(host, port, None, is_master, TIMEOUT, wait_for_workers=False)
 
 
-def make_group(store: dist.Store, host: str, rank: int, size: int) -> dist.ProcessGroup:
-    """A gloo process group of ``size`` ranks over ``store``; blocks until every rank has joined.
+def make_group(store: dist.Store, host: str, rank: int, size: int, name: str = 'lmd-tp') -> dist.ProcessGroup:
+    """A gloo process group ``name`` of ``size`` ranks over ``store``; blocks until every rank has joined.
     ``host``: the address this rank listens on for its peers."""
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = TIMEOUT
-    return dist.ProcessGroupGloo(dist.PrefixStore('lmd-tp/', store), rank, size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(name + '/', store), rank, size, options)
+
+
+def make_groups(store: dist.Store, host: str, rank: int, tp: int, pp: int) -> tuple[dist.ProcessGroup,
+                                                                                   dist.ProcessGroup | None]:
+    """(every rank's group, this rank's stage's tensor-parallel group: the same one without pipeline stages,
+    None without tensor parallelism); blocks until their ranks have joined."""
+    world = make_group(store, host, rank, tp * pp)
+    if pp == 1:
+        return world, world if tp > 1 else None
+    if tp == 1:
+        return world, None
+    stage, tp_rank = divmod(rank, tp)
+    return world, make_group(store, host, tp_rank, tp, f'lmd-tp-stage{stage}')
 
 
 class TensorParallel:
@@ -133,8 +154,8 @@ class RankGroup:
             time.sleep(0.05)
         if gone:
             what = ', '.join(f'rank {r} {why}' for r, why in sorted(gone.items()))
-            return RankFailure(f'tensor parallelism: {what}; the engine cannot run more steps')
-        return RankFailure(f'tensor parallelism: a collective failed: {error}')
+            return RankFailure(f'parallel ranks: {what}; the engine cannot run more steps')
+        return RankFailure(f'parallel ranks: a collective failed: {error}')
 
 
 def broadcast_object(group: dist.ProcessGroup, message) -> None:
@@ -152,34 +173,44 @@ def receive_object(group: dist.ProcessGroup):
     return pickle.loads(data.numpy().tobytes())
 
 
-def build_rank_model(model_dir: str, config, rank: int, size: int, group: dist.ProcessGroup, num_blocks: int,
-                     session_len: int, ranks: RankGroup | None = None):
-    """(Rank ``rank``'s ``ModelRunner``, the checkpoint's format): its shard of the model of ``model_dir``
-    over ``config`` (a PytorchEngineConfig), with ``num_blocks`` KV blocks of its KV heads."""
+def build_rank_model(model_dir: str, config, rank: int, groups: tuple, num_blocks: int, session_len: int,
+                     ranks: RankGroup | None = None):
+    """(Rank ``rank``'s ``ModelRunner``, the checkpoint's format): its shard of its stage's layers of the
+    model of ``model_dir`` over ``config`` (a PytorchEngineConfig), with ``num_blocks`` KV blocks of its KV
+    heads; ``groups``: ``make_groups``'."""
     from lmd.model_config import ModelConfig
     from lmd.weights.dtype import resolve_dtype
 
     from .loading import load_model
     from .model_runner import ModelRunner
+    from .pipeline_parallel import PipelineStage, stage_layers
 
+    tp, pp = config.tp, config.pp
+    world, tp_group = groups
+    stage, tp_rank = divmod(rank, tp)
     mc = ModelConfig.from_dir(model_dir)
     device = torch.device(config.device)
+    layers = stage_layers(mc, pp)[stage] if pp > 1 else None
     model, fmt = load_model(model_dir, mc, config.model_format, resolve_dtype(config.dtype, mc), device,
-                            config.kernel_backend, rank, size)
-    model.tp = TensorParallel(group, rank, size, mc.vocab_size)
+                            config.kernel_backend, tp_rank, tp, layers)
+    if tp > 1:
+        model.tp = TensorParallel(tp_group, tp_rank, tp, mc.vocab_size)
     model.build_rope(session_len)
-    runner = ModelRunner(model, num_blocks, config.cache_block_seq_len, device, config.quant_policy, ranks=ranks)
+    pipeline = PipelineStage(world, rank, tp, pp, mc) if pp > 1 else None
+    runner = ModelRunner(model, num_blocks, config.cache_block_seq_len, device, config.quant_policy, ranks=ranks,
+                         stage=pipeline)
     return runner, fmt
 
 
-def run_rank(model_dir: str, config, rank: int, size: int, host: str, port: int, num_blocks: int,
-             session_len: int, num_threads: int) -> None:
-    """A rank other than 0, to the end: join the group, build its shard, then run what the driver sends
+def run_rank(model_dir: str, config, rank: int, host: str, port: int, num_blocks: int, session_len: int,
+             num_threads: int) -> None:
+    """A rank other than 0, to the end: join the groups, build its shard, then run what the driver sends
     (a ``ModelRunner`` method and its arguments) until it sends None or the group breaks."""
     torch.set_num_threads(num_threads)
-    group = make_group(make_store(host, port, is_master=False), host_address(host), rank, size)
+    groups = make_groups(make_store(host, port, is_master=False), host_address(host), rank, config.tp, config.pp)
+    group = groups[0]
     try:
-        runner, _ = build_rank_model(model_dir, config, rank, size, group, num_blocks, session_len)
+        runner, _ = build_rank_model(model_dir, config, rank, groups, num_blocks, session_len)
         group.barrier().wait()  # built: the driver may send
         with torch.inference_mode():
             while True:
@@ -189,7 +220,7 @@ def run_rank(model_dir: str, config, rank: int, size: int, host: str, port: int,
                 getattr(runner, message[0])(*message[1:])
     except Exception:
         # the driver sees the group break at its next collective; the reason is here
-        logger.error('tensor-parallel rank %d failed:\n%s', rank, traceback.format_exc())
+        logger.error('parallel rank %d failed:\n%s', rank, traceback.format_exc())
         raise
 
 

@@ -78,23 +78,23 @@ class PytorchEngine(Engine):
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(cfg.dtype, mc)
         self.device = device
-        tp = cfg.tp
+        tp, world = cfg.tp, cfg.tp * cfg.pp
         check_parallel_config(cfg, mc)
         # each rank's threads: the cores shared out over the ranks unless num_threads says
-        threads = cfg.num_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
+        threads = cfg.num_threads or (max(1, (os.cpu_count() or 1) // world) if world > 1 else None)
         if threads is not None:
             torch.set_num_threads(threads)
 
         block_size = cfg.cache_block_seq_len
-        self.executor = None  # the other tensor-parallel ranks (executor.py); None: this process alone
-        if tp > 1:
+        self.executor = None  # the other tensor- and pipeline-parallel ranks (executor.py); None: this process alone
+        if world > 1:
             from .distributed import build_rank_model
             from .executor import RankExecutor
             num_blocks, session_len = self._cache_size(mc, tp)  # known to every rank before it loads
             self.executor = RankExecutor(model_dir, cfg, num_blocks, session_len, torch.get_num_threads())
             try:
-                self.runner, self.model_format = build_rank_model(model_dir, cfg, 0, tp, self.executor.group,
-                                                                  num_blocks, session_len, ranks=self.executor.ranks)
+                self.runner, self.model_format = build_rank_model(model_dir, cfg, 0, self.executor.groups, num_blocks,
+                                                                  session_len, ranks=self.executor.ranks)
                 self.executor.ready()
             except BaseException:
                 self.executor.close()

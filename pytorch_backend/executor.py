@@ -1,10 +1,10 @@
-"""Starting the tensor-parallel ranks: ``mp`` (local processes) or ``ray`` (actors placed on a Ray cluster).
+"""Starting the parallel ranks: ``mp`` (local processes) or ``ray`` (actors placed on a Ray cluster).
 
 ``PytorchEngineConfig.distributed_executor_backend`` chooses, as in LMDeploy and vLLM. Either way the
 engine's process is rank 0 and the others run ``distributed.run_rank``; they differ only in where those
 run and how the driver learns that one ended:
 
-- ``mp``: ``tp - 1`` processes started by ``multiprocessing``'s spawn (a script that starts an engine
+- ``mp``: ``tp * pp - 1`` processes started by ``multiprocessing``'s spawn (a script that starts an engine
   with tp > 1 keeps its top level under ``if __name__ == '__main__':``, as for any spawned process);
 - ``ray``: one actor per rank in a placement group of one CPU bundle per rank (bundle 0 stands for the
   driver's rank), spread over the cluster's nodes; the cluster is ``ray_address``, else ``RAY_ADDRESS``,
@@ -16,30 +16,32 @@ import logging
 import multiprocessing
 import os
 
-from .distributed import RankGroup, host_address, make_group, make_store
+from .distributed import RankGroup, host_address, make_groups, make_store
 
 logger = logging.getLogger('lmd.pytorch_backend')
 
 
 class RankExecutor:
-    """Ranks 1 .. tp-1 of an engine, started; ``ranks`` is the driver's line to them."""
+    """Ranks 1 .. tp * pp - 1 of an engine, started; ``groups`` the driver's process groups
+    (``distributed.make_groups``), ``ranks`` its line to the other ranks."""
 
     def __init__(self, model_dir: str, config, num_blocks: int, session_len: int, num_threads: int):
-        self.size = size = config.tp
+        self.size = size = config.tp * config.pp
         self.backend = config.distributed_executor_backend or 'mp'
         host = '127.0.0.1'
         if self.backend == 'ray':
             self._ray_connect(config.ray_address)
             host = host_address('')  # this node's address, as the cluster sees it
         store = make_store(host, 0, is_master=True)
-        args = (model_dir, config, size, host, store.port, num_blocks, session_len, num_threads)
+        args = (model_dir, config, host, store.port, num_blocks, session_len, num_threads)
         self._procs, self._actors = [], []
         if self.backend == 'mp':
             self._start_processes(args)
         else:
             self._start_actors(args)
         self.store = store
-        self.group = make_group(store, host, 0, size)  # waits for every rank to join
+        self.groups = make_groups(store, host, 0, config.tp, config.pp)  # waits for every rank to join
+        self.group = self.groups[0]
         self.ranks = RankGroup(self.group, size, self.status)
 
     def ready(self) -> None:
@@ -87,10 +89,10 @@ class RankExecutor:
     def _start_processes(self, args) -> None:
         from .distributed import run_rank
         ctx = multiprocessing.get_context('spawn')
-        model_dir, config, size, host, port, num_blocks, session_len, num_threads = args
-        for rank in range(1, size):
-            p = ctx.Process(target=run_rank, name=f'lmd-tp-rank-{rank}', daemon=True,
-                            args=(model_dir, config, rank, size, host, port, num_blocks, session_len, num_threads))
+        model_dir, config, host, port, num_blocks, session_len, num_threads = args
+        for rank in range(1, self.size):
+            p = ctx.Process(target=run_rank, name=f'lmd-rank-{rank}', daemon=True,
+                            args=(model_dir, config, rank, host, port, num_blocks, session_len, num_threads))
             p.start()
             self._procs.append(p)
 
@@ -113,7 +115,8 @@ class RankExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from .distributed import run_rank
-        model_dir, config, size, host, port, num_blocks, session_len, num_threads = args
+        model_dir, config, host, port, num_blocks, session_len, num_threads = args
+        size = self.size
         self._placement_group = pg = placement_group([{'CPU': 1}] * size, strategy='SPREAD')
         ray.get(pg.ready(), timeout=120)
         rank_actor = ray.remote(num_cpus=1)(_RankActor)
@@ -123,8 +126,8 @@ class RankExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank)).remote()
             self._actors.append(actor)
-            self._runs[actor.run.remote(run_rank, model_dir, config, rank, size, host, port, num_blocks,
-                                        session_len, num_threads)] = rank
+            self._runs[actor.run.remote(run_rank, model_dir, config, rank, host, port, num_blocks, session_len,
+                                        num_threads)] = rank
 
 
 class _RankActor:

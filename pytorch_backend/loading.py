@@ -37,16 +37,16 @@ def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None
 
 
 def load_model(model_dir: str, mc: ModelConfig, model_format: str | None, dtype: torch.dtype, device: torch.device,
-               kernel_backend: str | None, rank: int = 0, tp: int = 1):
+               kernel_backend: str | None, rank: int = 0, tp: int = 1, layers: range | None = None):
     """(model, format) of ``model_dir``: its weights (``load_model_weights``), rank ``rank``'s shard of them
     when ``tp`` > 1 (``lmd.weights.tensor_parallel``), built on ``device`` with its kernels on this thread's
-    torch thread count. Its RoPE table is the caller's to build (``build_rope``), once it knows the session
+    torch thread count; ``layers``: a pipeline stage's decoder layers (None: all). Its RoPE table is the caller's to build (``build_rope``), once it knows the session
     length."""
     from lmd.weights.tensor_parallel import shard_config, shard_weights
 
     from .models import build_model
     weights, quantized, fmt = load_model_weights(model_dir, mc, model_format, dtype)
     weights, quantized = shard_weights(mc, weights, quantized, rank, tp)
-    model = build_model(shard_config(mc, rank, tp), weights, dtype, device, kernel_backend, quantized)
+    model = build_model(shard_config(mc, rank, tp), weights, dtype, device, kernel_backend, quantized, layers)
     model.kernels.set_num_threads(torch.get_num_threads())
     return model, fmt

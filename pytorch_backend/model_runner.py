@@ -39,7 +39,7 @@ class StepPlan:
 class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, quant_policy: int = 0,
-                 ranks=None):
+                 ranks=None, stage=None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -51,6 +51,8 @@ class ModelRunner:
         # tensor parallelism, on rank 0: the other ranks, each running every call here on its shard
         # (distributed.RankGroup); None: this process runs the whole model
         self.ranks = ranks
+        # pipeline parallelism: this rank's stage (pipeline_parallel.PipelineStage); None: all the layers
+        self.stage = stage
 
     def plan(self, out: SchedulerOutput, all_logits: bool = False) -> tuple[StepPlan, list[int]]:
         """The step's rows flattened (input ids, positions, KV slots, per-sequence lengths, block tables),
@@ -170,8 +172,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan, num_seqs: int = 0):
         """The forward pass of ``plan`` (on every rank): (float32 logits of ``plan.logit_rows``, prompt
         logprobs per sequence: None, or the entries its ``prompt_jobs`` give)."""
+        if self.stage is not None:
+            return self.stage.execute(self, plan, num_seqs)
         ids, positions, ctx = self.tensors(plan)
-        hidden = self.model.forward(ids, positions, ctx)
+        return self.finish(plan, self.model.forward(ids, positions, ctx), num_seqs)
+
+    def finish(self, plan: StepPlan, hidden: torch.Tensor, num_seqs: int):
+        """``execute``'s result from the step's normed hidden states: the logits of ``plan.logit_rows`` and,
+        when ``num_seqs`` (the rank that returns them), the prompt logprobs."""
         prompt_lps: list[list[dict[int, float]] | None] = [None] * num_seqs
         for i, a, b, targets, k in plan.prompt_jobs:
             logits = self.model.compute_logits(hidden[a:b])  # on every rank: the vocabulary is gathered
@@ -214,17 +222,28 @@ class ModelRunner:
         return self.on_all_ranks('forward_logits', token_ids, adapter_slot)
 
     def forward_logits(self, token_ids: list[int], adapter_slot: int) -> torch.Tensor:
-        return self.model.compute_logits(self.forward_alone(token_ids, adapter_slot))
+        hidden = self.forward_alone(token_ids, adapter_slot)
+        if self.stage is None:
+            return self.model.compute_logits(hidden)
+        logits = None if hidden is None else self.model.compute_logits(hidden)
+        return self.stage.to_driver(logits, (len(token_ids), self.stage.vocab_size), torch.float32)
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
         """float32 [n, hidden]: the final norm's output of one sequence, run as ``score`` runs it
         (``PytorchEngine.get_hidden_states``)."""
-        return self.on_all_ranks('forward_alone', token_ids, adapter_slot).float()
+        return self.on_all_ranks('forward_hidden', token_ids, adapter_slot).float()
 
-    def forward_alone(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor:
+    def forward_hidden(self, token_ids: list[int], adapter_slot: int) -> torch.Tensor:
+        hidden = self.forward_alone(token_ids, adapter_slot)
+        if self.stage is None:
+            return hidden
+        return self.stage.to_driver(hidden, (len(token_ids), self.stage.hidden_size), self.model.dtype)
+
+    def forward_alone(self, token_ids: list[int], adapter_slot: int = -1) -> torch.Tensor | None:
         """The model's hidden states [n, hidden] (after the final norm, the model dtype) of one sequence
-        in one forward pass over a KV cache of its own, freed after; ``adapter_slot``: its LoRA adapter."""
+        in one forward pass over a KV cache of its own, freed after; ``adapter_slot``: its LoRA adapter.
+        A pipeline stage runs its layers: None but on the last stage."""
         n, bs, dev = len(token_ids), self.block_size, self.device
         num_blocks = -(-n // bs)
         # one sequence in blocks 0, 1, ... in order: token t sits in slot t
@@ -237,4 +256,6 @@ class ModelRunner:
                           quant_policy=self.quant_policy,
                           lora=self.lora.step([adapter_slot] * n) if adapter_slot >= 0 else None)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        if self.stage is not None:
+            return self.stage.run_layers(self.model, ids, torch.arange(n, device=dev), ctx)
         return self.model.forward(ids, torch.arange(n, device=dev), ctx)

@@ -46,7 +46,7 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
     ``engine_fields`` are TurbomindEngineConfig / PytorchEngineConfig fields (session_len,
     cache_max_entry_count, device...). Other models already in the repository are left alone.
     """
-    from lmd.backend import CONFIGS, check_backend, command_engine_config, resolve_backend
+    from lmd.backend import CONFIGS, PYTORCH_FIELDS, check_backend, command_engine_config, resolve_backend
     from lmd.model_path import prepare_model_dir, resolve_model_path
 
     check_backend(backend)
@@ -56,8 +56,10 @@ def build_repository(model_path: str | None, model_repository: str, backend: str
     if 'ray_address' in fields:  # as the commands read --ray-address
         fields.setdefault('distributed_executor_backend', 'ray')
     # 'auto' is decided here: the engine models are told which engine to build (the PyTorch engine's
-    # own fields, pp and the executor, ask for it; TurboMind refuses them)
-    asked = command_engine_config(fields, backend)
+    # own fields, pp and the executor, ask for it; TurboMind refuses them). Only the fields that choose
+    # an engine go in: the others (max_cache_memory_gib...) are checked by the chosen engine's config.
+    asked = command_engine_config({k: v for k, v in fields.items()
+                                   if k in ('model_format', 'device', *PYTORCH_FIELDS)}, backend)
     backend, why = resolve_backend(model_dir, backend, asked)
     config = CONFIGS[backend](**fields)  # checks them
     logger.info('engine %s (%s)', backend, why)

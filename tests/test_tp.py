@@ -1,6 +1,6 @@
-"""Tensor parallelism in the PyTorch engine: ``tp`` ranks (gloo, one thread each) give tp=1's logits and
-greedy tokens, over local processes and over a Ray cluster; a rank that dies ends every request held with
-an error that names it, and the engine closes instead of hanging."""
+"""Tensor and pipeline parallelism in the PyTorch engine: ``tp`` x ``pp`` ranks (gloo, one thread each)
+give one rank's logits and greedy tokens, over local processes and over a Ray cluster; a rank that dies
+ends every request held with an error that names it, and the engine closes instead of hanging."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +14,8 @@ from lmd.messages import PytorchEngineConfig
 from lmd.model_config import ModelConfig
 from lmd.model_path import prepare_model_dir
 from lmd.pytorch_backend import PytorchEngine
+from lmd.pytorch_backend.model_runner import StepPlan
+from lmd.pytorch_backend.pipeline_parallel import micro_batches, stage_layers
 from lmd.weights.tensor_parallel import shard_config, vocab_range
 from test_pytorch_engine import assert_no_leak, generate
 from test_turbomind_formats import save_quantized
@@ -74,18 +76,73 @@ def test_tp2_equals_tp1(tiny_dir, family):
     assert_same(run(path, tp=2), run(path))
 
 
-def test_tp3_smollm2_gguf():
-    """The shipped Q4_1 GGUF (9 heads, 3 KV heads, 49152 rows of vocabulary) over three ranks."""
+@pytest.mark.parametrize('family', ['llama', 'qwen2', 'gemma2'])  # qwen2: lm_head tied to the embedding
+def test_pp2_equals_pp1(tiny_dir, family):
+    path = tiny_dir(family)
+    assert_same(run(path, pp=2), run(path))
+
+
+def test_tp2_pp2(tiny_dir):
+    """Four ranks: two stages of two tensor-parallel ranks each, the stages' collectives in groups of their own."""
+    path = tiny_dir('phi3')
+    assert_same(run(path, tp=2, pp=2), run(path))
+
+
+@pytest.fixture(scope='module')
+def smollm2_reference():
     path = prepare_model_dir('smollm2')
-    cfg = dict(num_cache_blocks=48, max_prefill_token_num=64)
-    assert_same(run(path, n=32, tp=3, **cfg), run(path, n=32, **cfg))
+    return path, run(path, n=32, **SMOLLM2)
 
 
-def test_tp2_awq(tmp_path):
+SMOLLM2 = dict(num_cache_blocks=48, max_prefill_token_num=64)
+
+
+@pytest.mark.parametrize('parallel', [dict(tp=3), dict(pp=2)], ids=['tp3', 'pp2'])
+def test_smollm2_gguf(smollm2_reference, parallel):
+    """The shipped Q4_1 GGUF (9 heads, 3 KV heads, 49152 rows of vocabulary) over three ranks, and its 30
+    layers in two stages."""
+    path, reference = smollm2_reference
+    assert_same(run(path, n=32, **parallel, **SMOLLM2), reference)
+
+
+@pytest.mark.parametrize('parallel', [dict(tp=2), dict(pp=2)], ids=['tp2', 'pp2'])
+def test_awq(tmp_path, parallel):
     """W4A16 matmuls split on their groups: o_proj's and down_proj's K in halves of whole groups."""
     path = str(tmp_path / 'awq')
     save_quantized('llama', path, 'awq', 32)
-    assert_same(run(path, tp=2), run(path))
+    assert_same(run(path, **parallel), run(path))
+
+
+def test_stage_layers():
+    """Contiguous stages of at least a layer covering every layer once; lm_head's weight (49152 x 576, about
+    eight SmolLM2 layers) leaves the last stage fewer layers."""
+    mc = ModelConfig.from_dir(prepare_model_dir('smollm2'))
+    for pp in (1, 2, 3, 30):
+        stages = stage_layers(mc, pp)
+        assert [i for r in stages for i in r] == list(range(30)) and all(len(r) for r in stages)
+    first, last = stage_layers(mc, 2)
+    assert len(first) > len(last) + 4, (first, last)
+    with pytest.raises(ValueError, match='pp=31 stages need 1 <= pp <= the 30 decoder layers'):
+        stage_layers(mc, 31)
+
+
+def test_micro_batches():
+    """Runs of whole sequences of about equal rows whose fields, joined, are the step's."""
+    lens, ctx = [5, 1, 1, 7, 2], [9, 4, 6, 7, 3]
+    cu = [0, 5, 6, 7, 14, 16]
+    plan = StepPlan(input_ids=list(range(100, 116)), positions=list(range(16)), slots=list(range(200, 216)),
+                    query_lens=lens, cu_query_lens=cu, context_lens=ctx, block_table=list(range(10)), max_blocks=2,
+                    row_slots=[0] * 16, logit_rows=[4, 5, 6, 12, 13, 15],
+                    prompt_jobs=[(0, 0, 4, [1, 2, 3, 4], 2), (3, 7, 13, [5] * 6, 1)])
+    runs = micro_batches(plan, 3)
+    assert [first for _, first in runs] == [0, 2, 4]
+    assert [r.query_lens for r, _ in runs] == [[5, 1], [1, 7], [2]]
+    assert sum((r.input_ids for r, _ in runs), []) == plan.input_ids
+    assert sum((r.block_table for r, _ in runs), []) == plan.block_table
+    assert [r.cu_query_lens for r, _ in runs] == [[0, 5, 6], [0, 1, 8], [0, 2]]
+    assert [r.logit_rows for r, _ in runs] == [[4, 5], [0, 6, 7], [1]]
+    assert [r.prompt_jobs for r, _ in runs] == [[(0, 0, 4, [1, 2, 3, 4], 2)], [(1, 1, 7, [5] * 6, 1)], []]
+    assert micro_batches(plan, 9)[-1][1] == 4 and len(micro_batches(plan, 9)) == 5  # a sequence each at most
 
 
 def test_shards(tiny_dir):
@@ -107,6 +164,10 @@ def test_tp_refusals(tiny_dir, tmp_path):
     moe.save_pretrained(str(tmp_path / 'moe'), safe_serialization=True)
     with pytest.raises(ModelFormatError, match='mixture of experts is not sharded yet'):
         PytorchEngine(str(tmp_path / 'moe'), PytorchEngineConfig(**ENGINE, tp=2))
+    with pytest.raises(ValueError, match='pp=3 is invalid: the model has 2 decoder layers'):
+        PytorchEngine(path, PytorchEngineConfig(**ENGINE, pp=3))
+    with pytest.raises(ValueError, match='tp=1, pp=2: .* without LoRA adapters'):
+        PytorchEngine(path, PytorchEngineConfig(**ENGINE, pp=2, adapters={'a': str(tmp_path)}))
 
 
 def kill_rank_mid_request(engine, kill) -> None:
@@ -126,14 +187,16 @@ def kill_rank_mid_request(engine, kill) -> None:
     assert done.wait(60), 'the request never ended after its rank died'
     assert outputs[-1].finish_reason == 'error'
     assert 'rank 1' in outputs[-1].error, outputs[-1].error
-    with pytest.raises(RuntimeError, match='engine is closed: tensor parallelism: rank 1'):
+    with pytest.raises(RuntimeError, match='engine is closed: parallel ranks: rank 1'):
         engine.add_request(EngineRequest(session_id=2, token_ids=PROMPTS[1], sampling=SamplingParams()),
                            lambda out: None)
     engine.close()
 
 
-def test_rank_death_ends_requests(tiny_dir):
-    engine = PytorchEngine(tiny_dir('llama'), PytorchEngineConfig(**ENGINE, tp=2))
+@pytest.mark.parametrize('parallel', [dict(tp=2), dict(pp=2)], ids=['tp2', 'pp2'])
+def test_rank_death_ends_requests(tiny_dir, parallel):
+    """With pp=2 rank 1 is the last stage: the driver waits on its logits when it dies."""
+    engine = PytorchEngine(tiny_dir('llama'), PytorchEngineConfig(**ENGINE, **parallel))
     kill_rank_mid_request(engine, lambda: engine.executor._procs[0].kill())
 
 
@@ -150,10 +213,11 @@ def ray_cluster():
     cluster.shutdown()
 
 
-def test_ray_ranks_on_two_nodes(tiny_dir, ray_cluster):
+@pytest.mark.parametrize('parallel', [dict(tp=2), dict(pp=2)], ids=['tp2', 'pp2'])
+def test_ray_ranks_on_two_nodes(tiny_dir, ray_cluster, parallel):
     import ray
     path = tiny_dir('llama')
-    cfg = dict(tp=2, distributed_executor_backend='ray', ray_address=ray_cluster.address)
+    cfg = dict(**parallel, distributed_executor_backend='ray', ray_address=ray_cluster.address)
     assert_same(run(path, **cfg), run(path))
     engine = PytorchEngine(path, PytorchEngineConfig(**ENGINE, **cfg))
     # a bundle a node: rank 1's actor runs on the other node than rank 0's bundle

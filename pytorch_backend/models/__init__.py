@@ -35,14 +35,19 @@ MODEL_CLASSES = {
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str = 'cpu', kernel_backend: str | None = None,
-                quantized: dict[str, tuple] | None = None) -> CausalLM:
+                quantized: dict[str, tuple] | None = None, layers: range | None = None) -> CausalLM:
     """Build a model from HF-named weights (and quantized matmuls: ``CausalLM``); raises
-    ModelFormatError when they do not fit."""
+    ModelFormatError when they do not fit. ``layers``: a pipeline stage's decoder layers (None: all)."""
     cls = MODEL_CLASSES.get(config.family)
     if cls is None:
         raise ModelFormatError(f'the pytorch backend has no model for family {config.family!r} '
                                f'({config.architecture})')
-    return cls(config, weights, dtype, device, kernel_backend, quantized)
+    if layers is None:
+        return cls(config, weights, dtype, device, kernel_backend, quantized)
+    if not issubclass(cls, CausalLM) or cls is DeepseekV2CausalLM:
+        raise ModelFormatError(f'{config.architecture}: pipeline stages run Llama-shaped decoders; its latent '
+                               'attention is not split into stages yet')
+    return cls(config, weights, dtype, device, kernel_backend, quantized, layers)
 
 
 __all__ = ['CausalLM', 'build_model', 'MODEL_CLASSES']

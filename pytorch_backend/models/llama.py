@@ -93,8 +93,8 @@ class CausalLM:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = 'cpu', kernel_backend: str | None = None,
-                 quantized: dict[str, tuple] | None = None):
-        self._setup(config, dtype, device, kernel_backend)
+                 quantized: dict[str, tuple] | None = None, layers: range | None = None):
+        self._setup(config, dtype, device, kernel_backend, layers)
         quantized = quantized or {}
         check_quantized_weights(config, weights, quantized)
         weights = to_half_split(config, weights, quantized)  # GLM's interleaved RoPE, as half-split
@@ -131,16 +131,22 @@ class CausalLM:
                 return None
             return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
 
-        self.embed_tokens = get('model.embed_tokens.weight')
-        self.norm = norm('model.norm.weight')
-        # tied models share the embedding (a checkpoint may still carry a copy of it); GPTQ's may quantize it
-        self.lm_head = quantized.get('lm_head.weight')
-        if self.lm_head is None:
-            self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
-        else:
-            self.lm_head = on_device(self.lm_head)
+        # a pipeline stage holds the embedding when it is the first, the final norm and lm_head when the last
+        self.embed_tokens = self.norm = self.lm_head = None
+        if self.first_stage or (self.last_stage and config.tie_word_embeddings):
+            self.embed_tokens = get('model.embed_tokens.weight')
+        if self.last_stage:
+            self.norm = norm('model.norm.weight')
+            # tied models share the embedding (a checkpoint may still carry a copy of it); GPTQ's may quantize it
+            self.lm_head = quantized.get('lm_head.weight')
+            if self.lm_head is None:
+                self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
+            else:
+                self.lm_head = on_device(self.lm_head)
+            if not self.first_stage:
+                self.embed_tokens = None  # read for the tied lm_head only
         self.layers: list[DecoderLayer] = []
-        for n in range(config.num_layers):
+        for n in self.layer_ids:
             p = f'model.layers.{n}.'
             attn, mlp = p + 'self_attn.', p + 'mlp.'
             norms = dict(input_norm=None, post_norm=None)  # none without pre-norms (OLMo 2)
@@ -163,12 +169,13 @@ class CausalLM:
                 **norms,
             ))
             self.layers[-1].prepare(self.kernels)
-        self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None)
+        self.lm_head_params = prepare_matmul(self.kernels, self.lm_head, None) if self.last_stage else None
         self.build_rope()
 
     def _setup(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               kernel_backend: str | None) -> None:
-        """What every model of this backend keeps of its config, dtype, device and kernels."""
+               kernel_backend: str | None, layers: range | None = None) -> None:
+        """What every model of this backend keeps of its config, dtype, device and kernels; ``layers``: the
+        decoder layers it holds (a pipeline stage's; None: all)."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f'dtype {dtype} is not supported; use float32, bfloat16 or float16')
         self.config = config
@@ -176,6 +183,13 @@ class CausalLM:
         self.dtype = dtype
         self.kernels: Kernels = get_kernels(self.device, kernel_backend)
         self.num_layers = config.num_layers
+        # pipeline parallelism (pipeline_parallel.py): the layers of this stage; the first stage embeds the
+        # tokens, the last one norms and turns hidden states into logits
+        self.layer_ids = range(config.num_layers) if layers is None else layers
+        if not (0 <= self.layer_ids.start < self.layer_ids.stop <= config.num_layers and self.layer_ids.step == 1):
+            raise ValueError(f'layers {self.layer_ids} are not a run of the model\'s {config.num_layers} layers')
+        self.first_stage = self.layer_ids.start == 0
+        self.last_stage = self.layer_ids.stop == config.num_layers
         self.num_heads = config.num_heads
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
@@ -209,11 +223,11 @@ class CausalLM:
         alloc = partial(torch.empty if self.kernels.name == 'native' else torch.zeros, device=self.device)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         if not quant_policy:
-            return [(alloc(shape, dtype=self.dtype), alloc(shape, dtype=self.dtype)) for _ in range(self.num_layers)]
+            return [(alloc(shape, dtype=self.dtype), alloc(shape, dtype=self.dtype)) for _ in self.layer_ids]
         codes = (*shape[:3], self.head_dim * quant_policy // 8)
         return [(alloc(codes, dtype=torch.uint8), alloc(codes, dtype=torch.uint8),
                  alloc((*shape[:3], 2), dtype=torch.float32), alloc((*shape[:3], 2), dtype=torch.float32))
-                for _ in range(self.num_layers)]
+                for _ in self.layer_ids]
 
     def kv_cache_bytes_per_block(self, block_size: int, quant_policy: int = 0) -> int:
         """K and V of every layer (``lmd.weights.memory.kv_block_bytes``)."""
@@ -222,9 +236,14 @@ class CausalLM:
     # -- forward --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                handed: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, H] after the final norm; writes the new
-        tokens' K/V into ctx.kv_caches at ctx.slot_mapping."""
+        tokens' K/V into ctx.kv_caches at ctx.slot_mapping.
+
+        A pipeline stage's model runs its layers only: a later stage starts from ``handed``, [2, T, H] the
+        residual stream and the last block's output not yet added to it, which a stage before the last
+        returns in place of the normed hidden states."""
         kern = self.kernels
         rms_norm, add_rms_norm, linear = kern.rms_norm, kern.add_rms_norm, kern.linear
         paged_attention = kern.paged_attention
@@ -236,13 +255,16 @@ class CausalLM:
 
         tp = self.tp
         # the residual stream is updated in place: add_rms_norm(delta, residual) adds, then normalises
-        residual = F.embedding(input_ids, self.embed_tokens) if tp is None else tp.embedding(input_ids,
-                                                                                              self.embed_tokens)
-        if self.embed_scale is not None:
-            residual = residual * self.embed_scale
-        delta = None
+        if handed is not None:
+            residual, delta = handed[0], handed[1]
+        else:
+            residual = F.embedding(input_ids, self.embed_tokens) if tp is None else tp.embedding(input_ids,
+                                                                                                  self.embed_tokens)
+            if self.embed_scale is not None:
+                residual = residual * self.embed_scale
+            delta = None
         lora = ctx.lora
-        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
+        for i, layer, cache in zip(self.layer_ids, self.layers, ctx.kv_caches):
             k_cache, v_cache = cache[0], cache[1]
             kv_params = {} if len(cache) == 2 else dict(k_params=cache[2], v_params=cache[3])
             # attention block
@@ -291,6 +313,8 @@ class CausalLM:
                 tp.all_reduce(delta)
             if layer.mlp_out_norm is not None:
                 delta = rms_norm(delta, layer.mlp_out_norm, eps)
+        if not self.last_stage:
+            return torch.stack((residual, delta))
         return add_rms_norm(delta, residual, self.norm, eps)
 
     def _split_rope_fill(self, layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor,

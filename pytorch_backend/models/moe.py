@@ -88,9 +88,9 @@ class MoeCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = 'cpu', kernel_backend: str | None = None,
-                 quantized: dict[str, tuple] | None = None):
-        super().__init__(config, weights, dtype, device, kernel_backend, quantized)
-        for n, layer in enumerate(self.layers):
+                 quantized: dict[str, tuple] | None = None, layers: range | None = None):
+        super().__init__(config, weights, dtype, device, kernel_backend, quantized, layers)
+        for n, layer in zip(self.layer_ids, self.layers):
             if config.is_sparse(n):
                 layer.moe = self._sparse_moe(config, weights, n, quantized or {})
 
