@@ -76,9 +76,12 @@ def lmd_worker(args) -> dict:
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_all(warmup))
     log(f'lmd: {len(prompts)} requests, max_batch_size {args.max_batch_size}, concurrency {concurrency}')
+    ranks0 = rank_stats(engine)
     cpu0 = cpu_seconds()
     timings, wall = loop.run_until_complete(run_all(prompts))
     result.update(throughput(timings, prompts, wall))
+    if ranks0 is not None:
+        result['communication'] = communication(ranks0, rank_stats(engine), wall)
     result['cpu_utilization'] = round((cpu_seconds() - cpu0) / wall, 2)
     stats = engine.engine.stats()
     result['engine_stats'] = {'num_preemptions': stats.num_preemptions, 'num_total_blocks': stats.num_total_blocks}
@@ -88,6 +91,27 @@ def lmd_worker(args) -> dict:
     result['peak_rss_mib'] = round(peak_rss_mib(), 1)
     log(f"lmd: {result['wall_s']}s, {result['output_tokens_per_s']} output tok/s")
     return result
+
+
+def rank_stats(engine) -> list[dict] | None:
+    """The PyTorch engine's per-rank step and communication counters (``ModelRunner.parallel_stats``), when
+    it runs more than one rank."""
+    config = engine.engine.config if hasattr(engine.engine, 'runner') else None
+    if config is None or config.tp * getattr(config, 'pp', 1) == 1:
+        return None
+    return engine.engine.call_on_engine_thread(lambda e: e.runner.parallel_stats())
+
+
+def communication(before: list[dict], after: list[dict], wall: float) -> dict:
+    """What the timed run's steps spent communicating, per rank: milliseconds per step in all-reduces and
+    all-gathers (tensor parallelism) and blocked in sends and receives (pipeline stages), beside the step's
+    wall time; both include waiting for a slower rank."""
+    steps = max(after[0]['steps'] - before[0]['steps'], 1)
+
+    def per_step(key: str) -> list[float]:
+        return [round(1000 * (a[key] - b[key]) / steps, 3) for a, b in zip(after, before)]
+    return {'steps': steps, 'step_ms': round(1000 * wall / steps, 3),
+            'all_reduce_ms_per_step': per_step('all_reduce_s'), 'send_recv_ms_per_step': per_step('send_recv_s')}
 
 
 def scaling(args) -> dict:

@@ -198,7 +198,7 @@ def build_rank_model(model_dir: str, config, rank: int, groups: tuple, num_block
     model.build_rope(session_len)
     pipeline = PipelineStage(world, rank, tp, pp, mc) if pp > 1 else None
     runner = ModelRunner(model, num_blocks, config.cache_block_seq_len, device, config.quant_policy, ranks=ranks,
-                         stage=pipeline)
+                         stage=pipeline, world=world)
     return runner, fmt
 
 

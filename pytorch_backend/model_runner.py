@@ -39,7 +39,7 @@ class StepPlan:
 class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, quant_policy: int = 0,
-                 ranks=None, stage=None):
+                 ranks=None, stage=None, world=None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -53,6 +53,8 @@ class ModelRunner:
         self.ranks = ranks
         # pipeline parallelism: this rank's stage (pipeline_parallel.PipelineStage); None: all the layers
         self.stage = stage
+        self.world = world  # the process group of every rank (on every rank); None: one rank
+        self.num_steps = 0  # execute() calls: steps run
 
     def plan(self, out: SchedulerOutput, all_logits: bool = False) -> tuple[StepPlan, list[int]]:
         """The step's rows flattened (input ids, positions, KV slots, per-sequence lengths, block tables),
@@ -172,6 +174,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, num_seqs: int = 0):
         """The forward pass of ``plan`` (on every rank): (float32 logits of ``plan.logit_rows``, prompt
         logprobs per sequence: None, or the entries its ``prompt_jobs`` give)."""
+        self.num_steps += 1
         if self.stage is not None:
             return self.stage.execute(self, plan, num_seqs)
         ids, positions, ctx = self.tensors(plan)
@@ -192,6 +195,21 @@ class ModelRunner:
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
         return self.model.compute_logits(hidden), prompt_lps
+
+    def parallel_stats(self) -> list[dict]:
+        """Per rank, in rank order: steps run, seconds in tensor-parallel collectives and seconds blocked in
+        pipeline sends and receives (waiting for slower ranks and earlier stages included) so far."""
+        return self.on_all_ranks('gather_stats')
+
+    def gather_stats(self) -> list[dict]:
+        tp, stage = self.model.tp, self.stage
+        own = torch.tensor([self.num_steps, tp.seconds if tp else 0.0, stage.seconds if stage else 0.0],
+                           dtype=torch.float64)
+        rows = [own]
+        if self.world is not None:
+            rows = [torch.empty_like(own) for _ in range(self.world.size())]
+            self.world.allgather([rows], [own]).wait()
+        return [dict(steps=int(r[0]), all_reduce_s=float(r[1]), send_recv_s=float(r[2])) for r in rows]
 
     def prompt_jobs(self, out: SchedulerOutput) -> list[tuple[int, int, int, list[int], int]]:
         """The prompt logprobs this step's rows give, as jobs of at most PROMPT_LOGITS_ROWS rows: for each

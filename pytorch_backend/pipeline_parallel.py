@@ -3,13 +3,15 @@
 An engine with ``tp`` x ``pp`` ranks numbers them stage by stage: rank g is tensor-parallel rank g % tp of
 stage g // tp, so the driver (rank 0) is the first stage's first rank. Every rank gets the step the
 driver broadcasts (``distributed.RankGroup.send``) and cuts it into the same micro-batches, runs of whole
-sequences of about equal rows (``micro_batches``). A stage runs its layers on micro-batch m, hands the
-residual stream on to the same tensor-parallel rank of the next stage (``torch.stack((residual,
-delta))``: the exact state a one-rank forward would carry across that layer boundary) without waiting
-for it to be received, and goes on with micro-batch m + 1 while the next stage works on m: with M
-micro-batches a step takes about (M + pp - 1) micro-batch stage times instead of pp whole-batch ones.
-The last stage turns each micro-batch's rows into logits (gathered over its tensor-parallel ranks) and its
-first rank sends them, with any prompt logprobs, back to the driver, which samples as with one rank.
+sequences of about equal rows (``micro_batches``; a step of few rows, as decode is, stays whole). A stage
+runs its layers on micro-batch m, hands the residual stream on to the same tensor-parallel rank of the
+next stage (``torch.stack((residual, delta))``: the exact state a one-rank forward carries across that
+layer boundary) without waiting for it to be received, and goes on with micro-batch m + 1 while the next
+stage works on m: with M micro-batches a step takes about (M + pp - 1) micro-batch stage times instead
+of pp whole-batch ones. The last stage turns each micro-batch's rows into logits (gathered over its
+tensor-parallel ranks) and its first rank sends them, with any prompt logprobs, back to the driver,
+which samples as with one rank. Steps do not overlap each other: the driver schedules the next one
+once it has sampled this one (vLLM's pp schedulers, each with its own batch in flight, would).
 
 Each stage holds its layers' weights and KV cache only; the first holds the embedding, the last the
 final norm and lm_head (``CausalLM`` built with ``layers``). ``stage_layers`` balances the stages by
@@ -29,9 +31,15 @@ from lmd.model_config import ModelConfig
 
 from .model_runner import StepPlan
 
-# micro-batches per stage in a step (of sequences enough): more overlap the stages better, fewer keep each
-# micro-batch's matmuls larger
-MICRO_BATCHES_PER_STAGE = 2
+# micro-batches per stage in a step (of rows enough): more overlap the stages better, fewer keep each
+# micro-batch's matmuls larger (on 2 CPU cores, 256-512-token prompts: 1 and 2 within noise, both ahead of
+# no micro-batches: 639 / 629 / 605 tokens/s)
+MICRO_BATCHES_PER_STAGE = 1
+# the fewest rows a micro-batch gets: below them a stage's matmuls read their weights in about the same
+# time whatever the rows (decode on a CPU is memory-bound), so cutting the step up would read them once
+# more per micro-batch for nothing (decode of 8 sequences, pp=2: 104 output tokens/s as one micro-batch,
+# 48 as four)
+MIN_MICRO_BATCH_ROWS = 64
 
 
 def stage_layers(config: ModelConfig, pp: int) -> list[range]:
@@ -112,7 +120,8 @@ class PipelineStage:
     def execute(self, runner, plan: StepPlan, num_seqs: int):
         """``ModelRunner.execute`` over the stages: the driver's result (logits, prompt logprobs); None on
         the other ranks."""
-        runs = micro_batches(plan, MICRO_BATCHES_PER_STAGE * self.pp)
+        count = min(MICRO_BATCHES_PER_STAGE * self.pp, len(plan.input_ids) // MIN_MICRO_BATCH_ROWS)
+        runs = micro_batches(plan, count)
         for run, _ in runs:
             ids, positions, ctx = runner.tensors(run)
             hidden = self.run_layers(runner.model, ids, positions, ctx)

@@ -3,6 +3,7 @@ give one rank's logits and greedy tokens, over local processes and over a Ray cl
 ends every request held with an error that names it, and the engine closes instead of hanging."""
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -15,9 +16,9 @@ from lmd.model_config import ModelConfig
 from lmd.model_path import prepare_model_dir
 from lmd.pytorch_backend import PytorchEngine
 from lmd.pytorch_backend.model_runner import StepPlan
-from lmd.pytorch_backend.pipeline_parallel import micro_batches, stage_layers
+from lmd.pytorch_backend.pipeline_parallel import MIN_MICRO_BATCH_ROWS, micro_batches, stage_layers
 from lmd.weights.tensor_parallel import shard_config, vocab_range
-from test_pytorch_engine import assert_no_leak, generate
+from test_pytorch_engine import Collector, assert_no_leak, generate
 from test_turbomind_formats import save_quantized
 from tiny_models import tiny_hf_model
 
@@ -80,6 +81,31 @@ def test_tp2_equals_tp1(tiny_dir, family):
 def test_pp2_equals_pp1(tiny_dir, family):
     path = tiny_dir(family)
     assert_same(run(path, pp=2), run(path))
+
+
+def test_pp2_micro_batches(tiny_dir):
+    """Three prompts prefilled in one step of 220 rows: two micro-batches in flight through the stages
+    (``MIN_MICRO_BATCH_ROWS``); tokens, their logprobs and the prompts' logprobs are one rank's."""
+    assert 220 // MIN_MICRO_BATCH_ROWS >= 2  # enough rows to cut the step
+    rng = random.Random(0)
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (70, 90, 60)]
+    sampling = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2)
+
+    def outputs(**parallel):
+        cfg = PytorchEngineConfig(**{**ENGINE, 'max_prefill_token_num': 256}, **parallel)
+        with PytorchEngine(tiny_dir('llama'), cfg) as engine:
+            col = Collector()
+            for sid, p in enumerate(prompts):
+                engine.add_request(EngineRequest(sid, tuple(p), sampling), col.callback)
+            col.wait(range(3))
+            assert_no_leak(engine)
+            if parallel:
+                assert engine.runner.parallel_stats()[1]['send_recv_s'] > 0
+            return [[(o.token_ids, o.logprobs, o.prompt_logprobs) for o in col.outputs[sid]] for sid in range(3)]
+
+    one, two = outputs(), outputs(pp=2)
+    for a, b in zip(one, two):  # float32 logprobs computed in the same order: equal, not close
+        assert a == b
 
 
 def test_tp2_pp2(tiny_dir):
