@@ -160,7 +160,7 @@ def decode_rate(timings: list[RequestTiming]) -> float:
 async def lmd_request(engine, prompt: Prompt, submit: float | None = None) -> RequestTiming:
     """Stream one request through ``AsyncEngine.generate`` and stamp every Response."""
     from lmd.messages import GenerationConfig
-    gen = GenerationConfig(max_new_tokens=prompt.output_len, ignore_eos=True, do_sample=False)
+    gen = GenerationConfig(max_new_tokens=prompt.output_len, ignore_eos=not prompt.stop_at_eos, do_sample=False)
     timing = RequestTiming(time.perf_counter() if submit is None else submit, prompt.output_len)
     async for r in engine.generate(None, gen_config=gen, input_ids=list(prompt.token_ids),
                                    stream_response=True, do_preprocess=False):
@@ -261,12 +261,12 @@ def measure_bandwidth(num_threads: int, gib: float = 1.5, repeats: int = 5) -> d
 def load_prompt_sets(path: str) -> list[list[Prompt]]:
     with open(path) as f:
         data = json.load(f)
-    return [[Prompt(tuple(p['ids']), p['out']) for p in s] for s in data]
+    return [[Prompt(tuple(p['ids']), p['out'], p.get('eos', False)) for p in s] for s in data]
 
 
 def save_prompt_sets(path: str, sets: list[list[Prompt]]) -> None:
     with open(path, 'w') as f:
-        json.dump([[{'ids': list(p.token_ids), 'out': p.output_len} for p in s] for s in sets], f)
+        json.dump([[{'ids': list(p.token_ids), 'out': p.output_len, 'eos': p.stop_at_eos} for p in s] for s in sets], f)
 
 
 def run_worker(script: str, worker: str, argv: list[str], timeout: float | None = None) -> dict:

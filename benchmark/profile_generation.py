@@ -42,6 +42,8 @@ def load_hf(model_dir: str):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # generate exactly max_new_tokens, like lmd's ignore_eos: no EOS id means nothing stops a row early
+    # (a chat workload's prompts put it back: hf_static_batch)
+    model.lmd_eos_token_id = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     return model
 
@@ -63,7 +65,9 @@ def hf_static_batch(model, prompts: list[Prompt], pad_id: int, t0: float | None 
     """One ``generate()`` over ``prompts`` left-padded to the longest, run to the longest output.
 
     A request's n-th token is ready at step n of the batch, so its TTFT/TPOT/e2e come from the
-    step stamps; tokens a request gets beyond its own ``output_len`` are wasted work.
+    step stamps; tokens a request gets beyond its own ``output_len`` are wasted work. Chat prompts
+    (``stop_at_eos``) end at the model's EOS, stamped when it comes but not counted, as lmd counts; the
+    batch runs until every row has ended.
     """
     import torch
     longest = max(p.input_len for p in prompts)
@@ -73,19 +77,29 @@ def hf_static_batch(model, prompts: list[Prompt], pad_id: int, t0: float | None 
         ids[i, longest - p.input_len:] = torch.tensor(p.token_ids)
         mask[i, longest - p.input_len:] = 1
     steps = max(p.output_len for p in prompts)
+    chat = prompts[0].stop_at_eos
+    eos = getattr(model, 'lmd_eos_token_id', None) if chat else None
     streamer = StepStamps()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
-                             pad_token_id=pad_id, streamer=streamer)
-    if out.shape[1] - longest != steps:
+                             pad_token_id=pad_id, streamer=streamer, eos_token_id=eos)
+    if not chat and out.shape[1] - longest != steps:
         raise RuntimeError(f'transformers generated {out.shape[1] - longest} tokens, asked for {steps}')
     token_stamps = streamer.stamps[1:]  # [0] is the prompt itself
+    eos_ids = set([eos] if isinstance(eos, int) else eos or [])
     timings = []
-    for p in prompts:
-        t = RequestTiming(start if t0 is None else t0, p.output_len)
-        for n in range(1, p.output_len + 1):
+    for i, p in enumerate(prompts):
+        n_out, end = p.output_len, None
+        if chat:  # the tokens before its first EOS; the EOS's step ends the request
+            new = out[i, longest:].tolist()
+            end = next((j for j, t in enumerate(new) if t in eos_ids), None)
+            n_out = len(new) if end is None else end
+        t = RequestTiming(start if t0 is None else t0, n_out)
+        for n in range(1, n_out + 1):
             t.add(token_stamps[n - 1], n)
+        if end is not None:
+            t.add(token_stamps[end], n_out)
         timings.append(t)
     return timings
 

@@ -35,7 +35,7 @@ from common import (add_engine_args, add_worker_args, build_lmd, cpu_seconds, em
                     load_average, load_prompt_sets, log, peak_rss_mib, ratio, rss_mib, run_worker, save_prompt_sets,
                     set_threads, summarize)
 from profile_generation import hf_static_batch, load_hf, pad_token_id
-from prompts import Prompt, describe, make_prompts, parse_range, resolve_model_dir
+from prompts import Prompt, describe, make_chat_prompts, make_prompts, parse_range, resolve_model_dir
 
 WARMUP = [(32, 8), (48, 8)]  # (input, output) of the untimed requests that run first on each engine
 
@@ -48,7 +48,9 @@ def throughput(timings, prompts: list[Prompt], wall: float) -> dict:
         'requests_per_s': round(len(prompts) / wall, 4),
         'output_tokens_per_s': round(outs / wall, 2),
         'total_tokens_per_s': round((ins + outs) / wall, 2),
-        'exact_token_counts': all(t.num_tokens == p.output_len for t, p in zip(timings, prompts)),
+        # EOS ignored: every request made exactly its output_len (chat requests end where the model ends them)
+        'exact_token_counts': None if prompts[0].stop_at_eos else all(
+            t.num_tokens == p.output_len for t, p in zip(timings, prompts)),
         **summarize(timings),
     }
 
@@ -142,7 +144,7 @@ def hf_worker(args) -> dict:
         batch = [prompts[i] for i in idx]
         for i, timing in zip(idx, hf_static_batch(model, batch, args.pad_id, t0)):
             timings[i] = timing
-        steps += max(p.output_len for p in batch) * len(batch)
+        steps += max(timings[i].num_tokens for i in idx) * len(batch)  # the batch's steps, every row
         padded += max(p.input_len for p in batch) * len(batch)
         log(f'hf: batch {k // args.hf_batch_size} done at {time.perf_counter() - t0:.1f}s')
     wall = time.perf_counter() - t0
@@ -160,9 +162,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(p)
+    p.add_argument('--workload', choices=('prose', 'chat'), default='prose',
+                   help='prose: windows of varied lengths, EOS ignored; chat: short one-turn chat requests through '
+                        'the chat template, ending at EOS (up to --output-tokens HI, default 128)')
     p.add_argument('--num-prompts', type=int, default=64)
     p.add_argument('--input-tokens', default='32,512', help='prompt length range LO,HI (inclusive) or N')
-    p.add_argument('--output-tokens', default='16,256', help='output length range LO,HI (inclusive) or N')
+    p.add_argument('--output-tokens', help='output length range LO,HI (inclusive) or N (default: 16,256; chat: 128)')
     p.add_argument('--max-batch-size', type=int, default=16, help="lmd engine's max_batch_size (per replica)")
     p.add_argument('--dp', type=int, default=1, help='data-parallel replicas sharing --num-threads')
     p.add_argument('--tp', type=int, default=1, help='tensor parallel ranks (engine config tp)')
@@ -180,6 +185,8 @@ def parse_args(argv=None):
     add_worker_args(p, ('lmd', 'hf'), '--prompt-file')
     p.add_argument('--pad-id', type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.output_tokens is None:
+        args.output_tokens = '128' if args.workload == 'chat' else '16,256'
     if args.quick:
         args.num_prompts, args.input_tokens, args.output_tokens = 16, '32,128', '16,64'
         args.max_batch_size = args.hf_batch_size = 8
@@ -209,7 +216,10 @@ def main(argv=None) -> int:
     except Exception as e:
         print(json.dumps({'benchmark': 'profile_throughput', 'error': f'{type(e).__name__}: {e}'}))
         return 2
-    prompts = make_prompts(model_dir, args.num_prompts, args.input_range, args.output_range, seed=args.seed)
+    if args.workload == 'chat':
+        prompts = make_chat_prompts(model_dir, args.num_prompts, args.output_range[1])
+    else:
+        prompts = make_prompts(model_dir, args.num_prompts, args.input_range, args.output_range, seed=args.seed)
     warmup = [Prompt(make_prompts(model_dir, 1, (n_in, n_in), (n_out, n_out), seed=1000 + i)[0].token_ids, n_out)
               for i, (n_in, n_out) in enumerate(WARMUP)]
     report = {
@@ -220,7 +230,8 @@ def main(argv=None) -> int:
                   f'transformers: generate() static batches of {args.hf_batch_size} in {args.hf_order} order, '
                   'left padding, each run to its longest output); TTFT and e2e are measured from t0; '
                   'TPOT = (last - first token) / (tokens - 1); output_tokens counts each request\'s own tokens; '
-                  'greedy, EOS ignored, float32; each engine in its own subprocess after 2 untimed requests',
+                  f'greedy, {"stopping at EOS" if args.workload == "chat" else "EOS ignored"}, float32; each '
+                  'engine in its own subprocess after 2 untimed requests',
     }
     with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
         prompt_file = f.name

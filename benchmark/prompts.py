@@ -19,7 +19,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Prompt:
     token_ids: tuple[int, ...]
-    output_len: int  # tokens to generate (max_new_tokens, with EOS ignored)
+    output_len: int  # tokens to generate (max_new_tokens; all of them with EOS ignored)
+    stop_at_eos: bool = False  # a chat request: it ends at the model's EOS, as a user's does
 
     @property
     def input_len(self) -> int:
@@ -141,9 +142,47 @@ def make_prompts(model_dir: str, num_prompts: int, input_len: tuple[int, int], o
     return prompts
 
 
+# the short chat workload: questions a user types, one turn each (templates x subjects, in a fixed order)
+CHAT_TEMPLATES = [
+    'What is {}? Answer in two sentences.',
+    'Give me three quick facts about {}.',
+    'Explain {} to a ten-year-old.',
+    'Write a short poem about {}.',
+    'What are the pros and cons of {}?',
+    'How would you describe {} in one paragraph?',
+    'Why do people care about {}?',
+    'Suggest a fun weekend activity related to {}.',
+]
+CHAT_SUBJECTS = ['the ocean', 'coffee', 'the moon', 'bicycles', 'volcanoes', 'libraries', 'honey bees',
+                 'rainbows']
+
+
+def make_chat_prompts(model_dir: str, num_prompts: int, max_new_tokens: int) -> list[Prompt]:
+    """``num_prompts`` one-turn chat requests through the model's chat template (its system prompt
+    included), each ending at EOS or after ``max_new_tokens``: what a new user's first requests look like."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = [t.format(s) for s in CHAT_SUBJECTS for t in CHAT_TEMPLATES]
+    prompts = []
+    for i in range(num_prompts):
+        q = questions[i % len(questions)]
+        ids = tok.apply_chat_template([{'role': 'user', 'content': q}], add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # a BatchEncoding in newer transformers
+            ids = ids['input_ids']
+        prompts.append(Prompt(tuple(ids), max_new_tokens, stop_at_eos=True))
+    return prompts
+
+
 def describe(prompts: list[Prompt]) -> dict:
     ins = [p.input_len for p in prompts]
     outs = [p.output_len for p in prompts]
+    if prompts and prompts[0].stop_at_eos:
+        return {'source': 'short chat: CHAT_TEMPLATES x CHAT_SUBJECTS (benchmark/prompts.py) through the chat '
+                          'template, greedy, each request ending at EOS or max_new_tokens',
+                'num_prompts': len(prompts),
+                'input_tokens': {'min': min(ins), 'max': max(ins), 'mean': round(sum(ins) / len(ins), 1),
+                                 'total': sum(ins)},
+                'max_new_tokens': max(outs)}
     return {
         'source': 'pydoc_data.topics.topics (stdlib), windows of token ids from paragraph starts',
         'num_prompts': len(prompts),

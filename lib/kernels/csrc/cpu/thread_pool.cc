@@ -37,6 +37,14 @@ constexpr microseconds kCallerSpin{50};
 // worker holding one was preempted, and will be for a scheduler slice (milliseconds).
 constexpr microseconds kStallWait{300};
 constexpr int kStallPieces = 4;
+// A stall cuts the team only when the stalls' waits have taken more than this share of the
+// regions' time lately (a window of about kStallWindow, halved as it fills): a worker on a core
+// shared with a busy process stalls every slice, one beside a thread that wakes briefly now and
+// then (the engine handing out a step's tokens) once in tens of milliseconds, and is worth its
+// core. Two threads on two cores, one stalled a millisecond per 40 ms step: 2.5%, kept; the same
+// with a busy loop on one of the cores: about half, cut.
+constexpr double kStallShare = 0.15;
+constexpr milliseconds kStallWindow{100};
 // A worker that claims nothing in this many regions in a row is late every time (woken too
 // slowly on a busy core): as good as a stall, without the wait.
 constexpr int kLateRegions = 16;
@@ -105,7 +113,15 @@ public:
         const auto piece = mine ? (claimed - start) / mine : Clock::duration::zero();
         const bool stalled = end - claimed > std::max<Clock::duration>(kStallWait, kStallPieces * piece);
         late_ = mine == chunks ? late_ + 1 : 0;
-        if (stalled || late_ >= kLateRegions) shrink(team, end, stalled);
+        window_ += end - start;
+        if (stalled) stalled_ += end - claimed;
+        if (window_ > kStallWindow) {  // the older half counts half
+            window_ /= 2;
+            stalled_ /= 2;
+        }
+        const bool costly = stalled && stalled_ > kStallShare * window_;
+        if (stalled) stalls_.fetch_add(1, std::memory_order_relaxed);
+        if (costly || late_ >= kLateRegions) shrink(team, end);
         busy_.store(false, std::memory_order_release);
     }
 
@@ -145,9 +161,9 @@ private:
         return team_;
     }
 
-    void shrink(int team, Clock::time_point now, bool stalled) {
-        if (stalled) stalls_.fetch_add(1, std::memory_order_relaxed);
+    void shrink(int team, Clock::time_point now) {
         shrinks_.fetch_add(1, std::memory_order_relaxed);
+        window_ = stalled_ = Clock::duration::zero();  // the smaller team is judged afresh
         backoff_ = now - grown_at_ < kProbation ? std::min<Clock::duration>(2 * backoff_, kBackoffMax)
                                                  : Clock::duration(kBackoffMin);
         team_ = std::max(1, team - 1);
@@ -258,6 +274,7 @@ private:
     int team_ = 0;
     int late_ = 0;
     Clock::time_point grow_at_{}, grown_at_{};
+    Clock::duration window_{}, stalled_{};  // regions' time lately, and the stalls' waits in it
     Clock::duration backoff_{kBackoffMin};
 
     // what stats() reads from any thread
