@@ -8,7 +8,7 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import QUANTIZED_FORMATS, ModelConfig
 from lmd.weights.source_format import quantized_linears, source_format
-from lmd.weights.turbomind_layout import is_converted
+from lmd.weights.turbomind_layout import gguf_matmuls, is_converted
 
 
 def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
@@ -26,7 +26,11 @@ def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None
     fmt = source_format(model_dir, mc, model_format)
     where = os.path.join(model_dir, '')
     if fmt not in QUANTIZED_FORMATS:
-        return load_weights(model_dir, dtype), {}, 'hf'
+        weights = load_weights(model_dir, dtype)
+        quantized = gguf_matmuls(model_dir, mc) if fmt == 'gguf' else {}
+        for name in quantized:
+            weights.pop(name, None)  # the dequantized copy
+        return weights, quantized, 'gguf' if quantized else 'hf'
     weights = load_weights(model_dir)  # as stored: the quantized layout keeps fp16 scales exact in float32
     quantized = quantized_linears(fmt, weights, mc.quantization_config, where)
     stray = [f'{n!r} ({t.dtype})' for n, t in weights.items() if not t.is_floating_point()]

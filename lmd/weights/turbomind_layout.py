@@ -82,12 +82,12 @@ def load_fused(model_dir: str, config: ModelConfig, dtype: torch.dtype,
         quantized = quantized_linears(fmt, weights, config.quantization_config, os.path.join(model_dir, ''))
     else:
         weights = load_weights(model_dir, dtype)
-        quantized = {} if fmt == 'hf' else _gguf_matmuls(model_dir, config)
+        quantized = {} if fmt == 'hf' else gguf_matmuls(model_dir, config)
         fmt = 'gguf' if quantized else 'hf'
     return fuse_weights(config, weights, dtype, quantized), fmt
 
 
-def _gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
+def gguf_matmuls(model_dir: str, config: ModelConfig) -> dict[str, tuple]:
     """The quantized matmuls of a GGUF conversion, per fused matmul: W4A16 when all its parts are
     Q4_0 / Q4_1 / Q4_K, else the file's blocks as stored when all its parts are of a block type the kernels
     run (a mixed file's q/k/v in Q5_0, Q5_0 and Q8_0, say), else none (float); the lm_head in W8A16
