@@ -43,7 +43,7 @@ constexpr int kStallPieces = 4;
 // then (the engine handing out a step's tokens) once in tens of milliseconds, and is worth its
 // core. Two threads on two cores, one stalled a millisecond per 40 ms step: 2.5%, kept; the same
 // with a busy loop on one of the cores: about half, cut.
-constexpr double kStallShare = 0.15;
+constexpr double kStallShare = 0.3;
 constexpr milliseconds kStallWindow{100};
 // A worker that claims nothing in this many regions in a row is late every time (woken too
 // slowly on a busy core): as good as a stall, without the wait.
