@@ -117,8 +117,10 @@ def communication(before: list[dict], after: list[dict], wall: float) -> dict:
 
 
 def scaling(args) -> dict:
-    """The engine config's parallel settings the flags asked for (pp only where it is not 1: TurboMind has none)."""
-    return dict(tp=args.tp, dp=args.dp, **({'pp': args.pp} if args.pp != 1 else {}))
+    """The engine config's settings the flags asked for beside the batch and threads (pp and int8_activations
+    only where set: each is one engine's)."""
+    return dict(tp=args.tp, dp=args.dp, **({'pp': args.pp} if args.pp != 1 else {}),
+                **({'int8_activations': True} if args.int8_activations else {}))
 
 
 def hf_worker(args) -> dict:
@@ -172,6 +174,8 @@ def parse_args(argv=None):
     p.add_argument('--dp', type=int, default=1, help='data-parallel replicas sharing --num-threads')
     p.add_argument('--tp', type=int, default=1, help='tensor parallel ranks (engine config tp)')
     p.add_argument('--pp', type=int, default=1, help='pipeline stages (PyTorch engine config pp)')
+    p.add_argument('--int8-activations', action='store_true',
+                   help='TurboMind: 4-bit and Q8_0 matmuls on activations quantized to int8 per 32 (inexact)')
     p.add_argument('--concurrency', default='all', help="requests in flight at once: 'all' or a number")
     p.add_argument('--compare-hf', action='store_true', help='also run transformers static batches')
     p.add_argument('--hf-batch-size', type=int, default=16)
@@ -200,6 +204,8 @@ def parse_args(argv=None):
         p.error('--num-prompts, --max-batch-size, --hf-batch-size, --dp, --tp and --pp must be >= 1')
     if args.pp != 1 and args.backend == 'turbomind':
         p.error('--pp is a PyTorch engine setting: use --backend pytorch')
+    if args.int8_activations and args.backend != 'turbomind':
+        p.error('--int8-activations is a TurboMind setting: use --backend turbomind')
     if args.skip_lmd and not args.compare_hf:
         p.error('--skip-lmd leaves nothing to run without --compare-hf')
     return args
@@ -240,6 +246,7 @@ def main(argv=None) -> int:
              '--prompt-file', prompt_file, '--pad-id', str(pad_token_id(model_dir)),
              '--max-batch-size', str(args.max_batch_size), '--concurrency', args.concurrency,
              '--dp', str(args.dp), '--tp', str(args.tp), '--pp', str(args.pp),
+             *(['--int8-activations'] if args.int8_activations else []),
              '--hf-batch-size', str(args.hf_batch_size), '--hf-order', args.hf_order]
     script = os.path.abspath(__file__)
     try:
