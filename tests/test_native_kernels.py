@@ -267,6 +267,38 @@ def test_rope_fill_kv(num_heads, num_kv_heads, head_dim, rot, dtype):
     assert caches['native'][1].abs().sum() > 0
 
 
+@pytest.mark.parametrize('bits', [0, 8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('Hq,Hk,D,rot', [(9, 3, 64, 64), (4, 2, 128, 64), (3, 1, 10, 6), (2, 2, 40, 40)])
+def test_rope_fill_kv_vector_is_the_reference_bit_for_bit(Hq, Hk, D, rot, dtype, bits):
+    """The AVX2 rows against the scalar reference: rotated q, the K and V cache rows (float, or int8 / int4
+    codes and their scale and zero), every bit; half of rot a multiple of 8 or not, partial rotary."""
+    if bits == 4 and D % 2:
+        pytest.skip('int4 codes pack two a byte: an odd head_dim has no int4 cache')
+    T, block_size, num_blocks = 11, 4, 6
+    g = torch.Generator().manual_seed(Hq + D + bits)
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=g) * 3).to(dtype)
+    ang = torch.arange(512)[:, None] * (10000.0 ** (-torch.arange(rot // 2) / (rot // 2)))[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).to(dtype)
+    positions = torch.randint(0, 512, (T,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    width = {0: D, 8: D, 4: D // 2}[bits]
+    outs = []
+    for reference in (True, False):
+        cache_dtype = dtype if not bits else torch.uint8
+        kc, vc = (torch.zeros(num_blocks, block_size, Hk, width, dtype=cache_dtype) for _ in range(2))
+        kept = [] if not bits else [torch.zeros(num_blocks, block_size, Hk, 2) for _ in range(2)]
+        params = {} if not bits else dict(k_params=dl(kept[0]), v_params=dl(kept[1]))
+        q = torch.full((T, Hq, D), float('nan'), dtype=dtype)
+        kernels.ops.rope_fill_kv(dl(qkv), dl(positions), dl(cos_sin), dl(kc), dl(vc), dl(slots), dl(q), Hq, Hk,
+                                 reference=reference, **params)
+        outs.append([q, kc, vc, *kept])
+    for want, got in zip(*outs):
+        assert torch.equal(want.view(torch.uint8) if want.dtype != torch.uint8 else want,
+                           got.view(torch.uint8) if got.dtype != torch.uint8 else got)
+    assert outs[0][1].float().abs().sum() > 0
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('T,inter', [(1, 8), (5, 1536), (3, 13)])
 def test_silu_and_mul(T, inter, dtype):

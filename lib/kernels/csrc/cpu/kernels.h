@@ -108,6 +108,11 @@ void decode_attention_quant_task(const TensorView & q, const TensorView & k_cach
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m);
 void silu_and_mul_row(const TensorView & x, const TensorView & out, int64_t m);
+// ref::rope_fill_kv_row bit for bit (its operations one by one, no fused multiply-add); head_dim <= kMaxHeadDim
+void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                      const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                      const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                      int64_t t);
 }  // namespace avx2
 
 }  // namespace lmd::cpu

@@ -301,7 +301,86 @@ void silu_and_mul_row_t(const TensorView & x, const TensorView & out, int64_t m)
     }
 }
 
+// ---- RoPE + KV fill ------------------------------------------------------------------------------
+
+// The reference's float operations one by one, eight lanes at a time: no multiply-add may fuse
+// them (the reference, built without FMA, rounds each product), so the bits are its bits.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// f[0..D) = head src rotated (NeoX halves over the first `rot` values; the rest passed through).
+template <typename T>
+void rotate_head(const T * src, const T * cs, int64_t D, int64_t rot, float * f) {
+    const int64_t half = rot / 2;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 c = load8(cs + i), s = load8(cs + half + i);
+        const __m256 x1 = load8(src + i), x2 = load8(src + half + i);
+        _mm256_storeu_ps(f + i, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+        _mm256_storeu_ps(f + half + i, _mm256_add_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
+    }
+    for (; i < half; ++i) {
+        const float c = to_f32(cs[i]), s = to_f32(cs[half + i]);
+        const float x1 = to_f32(src[i]), x2 = to_f32(src[half + i]);
+        f[i] = x1 * c - x2 * s;
+        f[half + i] = x2 * c + x1 * s;
+    }
+    for (int64_t j = rot; j < D; ++j) f[j] = to_f32(src[j]);
+}
+
+#pragma GCC pop_options
+
+template <typename T>
+void store_row(const float * f, int64_t D, T * dst) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) store8(dst + i, _mm256_loadu_ps(f + i));
+    for (; i < D; ++i) store1(dst + i, f[i]);
+}
+
+template <typename T>
+void rope_fill_kv_row_t(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                        const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                        const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                        int64_t t) {
+    const int64_t D = q_out.size(2), rot = cos_sin.size(1);
+    const int64_t slot = slots.ptr<int64_t>()[t];
+    const T * cs = cos_sin.ptr<T>() + positions.ptr<int64_t>()[t] * cos_sin.stride(0);
+    const T * x = qkv.ptr<T>() + t * qkv.stride(0);
+    float f[kMaxHeadDim];
+    for (int64_t h = 0; h < num_heads; ++h) {
+        rotate_head(x + h * D, cs, D, rot, f);
+        store_row(f, D, q_out.ptr<T>() + t * q_out.stride(0) + h * q_out.stride(1));
+    }
+    const T * k = x + num_heads * D;
+    const T * v = k + num_kv_heads * D;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t r = slot * num_kv_heads + h;  // the (slot, head) row of the caches
+        rotate_head(k + h * D, cs, D, rot, f);
+        if (!kv_quant) {
+            store_row(f, D, k_cache.ptr<T>() + r * D);
+            std::copy(v + h * D, v + (h + 1) * D, v_cache.ptr<T>() + r * D);  // 16 bits to float and back: the same
+            continue;
+        }
+        const int bits = kv_quant->bits;
+        kv_quantize_row(f, D, bits, k_cache.ptr<uint8_t>() + r * k_cache.size(3), kv_quant->k_params.ptr<float>() + r * 2);
+        for (int64_t i = 0; i < D; ++i) f[i] = to_f32(v[h * D + i]);
+        kv_quantize_row(f, D, bits, v_cache.ptr<uint8_t>() + r * v_cache.size(3), kv_quant->v_params.ptr<float>() + r * 2);
+    }
+}
+
 }  // namespace
+
+void rope_fill_kv_row(const TensorView & qkv, const TensorView & positions, const TensorView & cos_sin,
+                      const TensorView & k_cache, const TensorView & v_cache, const TensorView & slots,
+                      const TensorView & q_out, int64_t num_heads, int64_t num_kv_heads, const KVQuant * kv_quant,
+                      int64_t t) {
+    switch (qkv.dtype) {
+        case DType::f32: rope_fill_kv_row_t<float>(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads, kv_quant, t); break;
+        case DType::bf16: rope_fill_kv_row_t<bf16>(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads, kv_quant, t); break;
+        case DType::f16: rope_fill_kv_row_t<f16>(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads, kv_quant, t); break;
+        default: break;
+    }
+}
 
 void rms_norm_row(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
                   const TensorView * residual, int64_t m) {
