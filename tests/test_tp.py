@@ -3,6 +3,7 @@ give one rank's logits and greedy tokens, over local processes and over a Ray cl
 ends every request held with an error that names it, and the engine closes instead of hanging."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -17,7 +18,7 @@ from lmd.model_path import prepare_model_dir
 from lmd.pytorch_backend import PytorchEngine
 from lmd.pytorch_backend.model_runner import StepPlan
 from lmd.pytorch_backend.pipeline_parallel import MIN_MICRO_BATCH_ROWS, micro_batches, stage_layers
-from lmd.weights.tensor_parallel import shard_config, vocab_range
+from lmd.weights.tensor_parallel import check_tensor_parallel, shard_config, vocab_range
 from test_pytorch_engine import Collector, assert_no_leak, generate
 from test_turbomind_formats import save_quantized
 from tiny_models import tiny_hf_model
@@ -27,6 +28,12 @@ LOGITS_TOL = 1e-4
 ENGINE = dict(dtype='float32', num_threads=1, cache_block_seq_len=8, num_cache_blocks=96, max_prefill_token_num=24)
 TINY = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)  # 203: the vocabulary splits unevenly
+MOE = {  # the experts (and Qwen2-MoE's shared expert, beside a dense layer) split by their intermediate sizes
+    'mixtral': ('MixtralConfig', 'MixtralForCausalLM', dict(num_local_experts=4, num_experts_per_tok=2)),
+    'qwen2_moe': ('Qwen2MoeConfig', 'Qwen2MoeForCausalLM',
+                  dict(num_hidden_layers=3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+}
 FAMILIES = {
     'llama': ('LlamaConfig', 'LlamaForCausalLM', dict(attention_bias=True, mlp_bias=True)),
     'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM', dict(tie_word_embeddings=True)),
@@ -75,6 +82,15 @@ def assert_same(a, b):
 def test_tp2_equals_tp1(tiny_dir, family):
     path = tiny_dir(family)
     assert_same(run(path, tp=2), run(path))
+
+
+@pytest.mark.parametrize('family,parallel', [('mixtral', dict(tp=2)), ('qwen2_moe', dict(tp=2)),
+                                             ('qwen2_moe', dict(pp=2))])
+def test_moe(tmp_path, family, parallel):
+    cfg_name, model_name, extra = MOE[family]
+    model, _ = tiny_hf_model(cfg_name, model_name, seed=1, **{**TINY, **extra})
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    assert_same(run(str(tmp_path), **parallel), run(str(tmp_path)))
 
 
 @pytest.mark.parametrize('family', ['llama', 'qwen2', 'gemma2'])  # qwen2: lm_head tied to the embedding
@@ -188,8 +204,11 @@ def test_tp_refusals(tiny_dir, tmp_path):
     moe, _ = tiny_hf_model('MixtralConfig', 'MixtralForCausalLM', **{**TINY, 'num_local_experts': 4,
                                                                       'num_experts_per_tok': 2})
     moe.save_pretrained(str(tmp_path / 'moe'), safe_serialization=True)
-    with pytest.raises(ModelFormatError, match='mixture of experts is not sharded yet'):
-        PytorchEngine(str(tmp_path / 'moe'), PytorchEngineConfig(**ENGINE, tp=2))
+    mc = ModelConfig.from_dir(str(tmp_path / 'moe'))
+    with pytest.raises(ModelFormatError, match="tp=2 must divide the experts' intermediate size 95"):
+        check_tensor_parallel(dataclasses.replace(mc, moe=dataclasses.replace(mc.moe, intermediate_size=95)), 2)
+    with pytest.raises(ModelFormatError, match='stacked and interleaved'):
+        check_tensor_parallel(dataclasses.replace(mc, family='gpt_oss'), 2)
     with pytest.raises(ValueError, match='pp=3 is invalid: the model has 2 decoder layers'):
         PytorchEngine(path, PytorchEngineConfig(**ENGINE, pp=3))
     with pytest.raises(ValueError, match='tp=1, pp=2: .* without LoRA adapters'):

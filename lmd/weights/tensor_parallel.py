@@ -5,6 +5,10 @@ With ``tp`` ranks, rank r holds (Megatron's split, as vLLM and LMDeploy shard):
 - attention by heads: q's heads ``[r Hq/tp, (r+1) Hq/tp)``; K/V heads likewise when Hk >= tp, else the one
   KV head its q heads read (``kv_heads``: replicated over tp / Hk ranks); ``o_proj`` the matching columns;
 - the MLP by columns of I: gate/up rows ``[r I/tp, (r+1) I/tp)``, down_proj the matching columns;
+- a mixture of experts' experts each by columns of their own intermediate size as the MLP, the shared
+  expert (Qwen2-MoE) by its own; the router and the shared expert's gate replicated, so every rank routes
+  every token alike and the all-reduce after the MLP sums the experts' partial products (gpt-oss's
+  stacked, interleaved experts and latent attention are refused);
 - the vocabulary by rows: embedding and lm_head rows ``[r V/tp, (r+1) V/tp)`` (``vocab_range``; V rounded
   up to a multiple of tp, the last rank's rows padded with zeros).
 
@@ -27,7 +31,9 @@ import torch
 from lmd.errors import ModelFormatError
 from lmd.model_config import ModelConfig
 
+from .moe import expert_weight_names, shared_expert_names
 from .schema import dense_shape, quant_format
+from .stacked_experts import has_stacked_experts
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
@@ -35,10 +41,17 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     if tp == 1:
         return
     arch = config.architecture
-    if config.moe is not None or config.mla is not None:
-        raise ModelFormatError(f'{arch}: tensor parallelism (tp={tp}) runs dense attention models; its '
-                               f'{"latent attention" if config.mla is not None else "mixture of experts"} '
-                               'is not sharded yet')
+    if config.mla is not None:
+        raise ModelFormatError(f'{arch}: tensor parallelism (tp={tp}) runs multi-head attention models; its '
+                               'latent attention is not sharded yet')
+    moe = config.moe
+    if moe is not None and has_stacked_experts(config):
+        raise ModelFormatError(f'{arch}: tp={tp}: its experts come stacked and interleaved (gpt-oss); they are not '
+                               'sharded yet')
+    if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
+        raise ModelFormatError(f'{arch}: tp={tp} must divide the experts\' intermediate size '
+                               f'{moe.intermediate_size}' + (f' and the shared expert\'s {moe.shared_intermediate_size}'
+                                                             if moe.shared_intermediate_size else ''))
     if config.qk_norm_all_heads:
         raise ModelFormatError(f'{arch}: tp={tp}: its q/k norm spans all heads at once, which no rank holds')
     hq, hk = config.num_heads, config.num_kv_heads
@@ -46,7 +59,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         raise ModelFormatError(f'{arch}: tp={tp} must divide the {hq} attention heads')
     if hk % tp and tp % hk:
         raise ModelFormatError(f'{arch}: tp={tp} must divide the {hk} KV heads or be a multiple of them')
-    if config.intermediate_size % tp:
+    if config.intermediate_size % tp and (moe is None or not all(moe.sparse_layers)):
         raise ModelFormatError(f'{arch}: tp={tp} must divide intermediate_size {config.intermediate_size}')
 
 
@@ -71,9 +84,11 @@ def shard_config(config: ModelConfig, rank: int, tp: int) -> ModelConfig:
     if tp == 1:
         return config
     first, end = kv_heads(config, rank, tp)
+    moe = config.moe and dataclasses.replace(config.moe, intermediate_size=config.moe.intermediate_size // tp,
+                                             shared_intermediate_size=config.moe.shared_intermediate_size // tp)
     return dataclasses.replace(config, num_heads=config.num_heads // tp, num_kv_heads=end - first,
                                intermediate_size=config.intermediate_size // tp,
-                               vocab_size=-(-config.vocab_size // tp))
+                               vocab_size=-(-config.vocab_size // tp), moe=moe)
 
 
 def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], quantized: dict[str, tuple],
@@ -94,6 +109,21 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], quantiz
             'self_attn.qkv_proj': [q_rows, _shift(kv_rows, q_size), _shift(kv_rows, q_size + kv_size)],
             'mlp.gate_proj': [i_rows], 'mlp.up_proj': [i_rows], 'mlp.gate_up_proj': [i_rows, _shift(i_rows, I)]}
     cols = {'self_attn.o_proj': q_rows, 'mlp.down_proj': i_rows}  # HF matmul -> the range of K it keeps
+    if config.moe is not None and any(config.moe.sparse_layers):
+        # each expert, and the shared one, split by its own intermediate size as the dense MLP is (the router
+        # and the shared expert's gate are replicated: every rank routes every token alike)
+        E, S = config.moe.intermediate_size, config.moe.shared_intermediate_size
+        e_rows, s_rows = (rank * E // tp, (rank + 1) * E // tp), (rank * S // tp, (rank + 1) * S // tp)
+        layer = config.moe.sparse_layers.index(True)  # the names below the layer are every layer's
+
+        def parts(names):  # 'model.layers.{n}.mlp.experts.3.gate_proj.weight' -> 'mlp.experts.3.gate_proj'
+            return [name.split('.', 3)[-1].rpartition('.')[0] for name in names]
+        for e in range(config.moe.num_experts):
+            gate, up, down = parts(expert_weight_names(config, layer, e))
+            rows[gate], rows[up], cols[down] = [e_rows], [e_rows], e_rows
+        if S:
+            gate, up, down = parts(shared_expert_names(config, layer))
+            rows[gate], rows[up], cols[down] = [s_rows], [s_rows], s_rows
     vocab = vocab_range(config.vocab_size, rank, tp)
     padded = -(-config.vocab_size // tp)
 
