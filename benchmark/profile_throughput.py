@@ -98,8 +98,7 @@ def lmd_worker(args) -> dict:
 def rank_stats(engine) -> list[dict] | None:
     """The PyTorch engine's per-rank step and communication counters (``ModelRunner.parallel_stats``), when
     it runs more than one rank."""
-    config = engine.engine.config if hasattr(engine.engine, 'runner') else None
-    if config is None or config.tp * getattr(config, 'pp', 1) == 1:
+    if getattr(engine.engine, 'executor', None) is None:  # one rank: TurboMind, or the PyTorch engine alone
         return None
     return engine.engine.call_on_engine_thread(lambda e: e.runner.parallel_stats())
 

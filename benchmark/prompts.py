@@ -174,22 +174,17 @@ def make_chat_prompts(model_dir: str, num_prompts: int, max_new_tokens: int) -> 
 
 
 def describe(prompts: list[Prompt]) -> dict:
-    ins = [p.input_len for p in prompts]
+    def spread(lens: list[int]) -> dict:
+        return {'min': min(lens), 'max': max(lens), 'mean': round(sum(lens) / len(lens), 1), 'total': sum(lens)}
     outs = [p.output_len for p in prompts]
-    if prompts and prompts[0].stop_at_eos:
-        return {'source': 'short chat: CHAT_TEMPLATES x CHAT_SUBJECTS (benchmark/prompts.py) through the chat '
-                          'template, greedy, each request ending at EOS or max_new_tokens',
-                'num_prompts': len(prompts),
-                'input_tokens': {'min': min(ins), 'max': max(ins), 'mean': round(sum(ins) / len(ins), 1),
-                                 'total': sum(ins)},
-                'max_new_tokens': max(outs)}
+    chat = prompts[0].stop_at_eos
     return {
-        'source': 'pydoc_data.topics.topics (stdlib), windows of token ids from paragraph starts',
+        'source': ('short chat: CHAT_TEMPLATES x CHAT_SUBJECTS (benchmark/prompts.py) through the chat template, '
+                   'greedy, each request ending at EOS or max_new_tokens') if chat else
+                  'pydoc_data.topics.topics (stdlib), windows of token ids from paragraph starts',
         'num_prompts': len(prompts),
-        'input_tokens': {'min': min(ins), 'max': max(ins), 'mean': round(sum(ins) / len(ins), 1),
-                         'total': sum(ins)},
-        'output_tokens': {'min': min(outs), 'max': max(outs), 'mean': round(sum(outs) / len(outs), 1),
-                          'total': sum(outs)},
+        'input_tokens': spread([p.input_len for p in prompts]),
+        **({'max_new_tokens': max(outs)} if chat else {'output_tokens': spread(outs)}),
     }
 
 

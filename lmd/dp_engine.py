@@ -238,32 +238,29 @@ class DataParallelEngine(Engine):
 
     def load_adapter(self, adapter: LoraAdapter) -> None:
         with self._adapter_lock:
-            done = []
-            try:
-                for engine in self.replicas:
-                    engine.load_adapter(adapter)
-                    done.append(engine)
-            except BaseException:
-                for engine in done:
-                    engine.unload_adapter(adapter.name)
-                raise
+            self._on_every_replica(lambda e: e.load_adapter(adapter), lambda e: e.unload_adapter(adapter.name))
             self._adapters[adapter.name] = adapter
 
     def unload_adapter(self, name: str) -> None:
         """ValueError when ``name`` is not loaded, or requests on any replica still use it (then every
         replica keeps it: those that had let it go load it again)."""
         with self._adapter_lock:
-            done = []
-            try:
-                for engine in self.replicas:
-                    engine.unload_adapter(name)
-                    done.append(engine)
-            except BaseException:
-                adapter = self._adapters.get(name)
-                for engine in done if adapter is not None else ():
-                    engine.load_adapter(adapter)
-                raise
+            adapter = self._adapters.get(name)
+            self._on_every_replica(lambda e: e.unload_adapter(name),
+                                   lambda e: adapter is not None and e.load_adapter(adapter))
             self._adapters.pop(name, None)
+
+    def _on_every_replica(self, do, undo) -> None:
+        """``do(engine)`` on every replica, or on none: where one raises, ``undo`` the replicas done, then raise."""
+        done = []
+        try:
+            for engine in self.replicas:
+                do(engine)
+                done.append(engine)
+        except BaseException:
+            for engine in done:
+                undo(engine)
+            raise
 
     def adapter_names(self) -> list[str]:
         return self.replicas[0].adapter_names()

@@ -131,9 +131,8 @@ class TensorParallel:
 class RankGroup:
     """The driver's line to the other ranks: sends them what to run, and knows whether they live."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int, ranks_alive):
+    def __init__(self, group: dist.ProcessGroup, ranks_alive):
         self.group = group
-        self.size = size
         self._ranks_alive = ranks_alive  # () -> {rank: None while alive, else how it ended}
 
     def send(self, message) -> None:
@@ -202,7 +201,7 @@ def build_rank_model(model_dir: str, config, rank: int, groups: tuple, num_block
     return runner, fmt
 
 
-def run_rank(model_dir: str, config, rank: int, host: str, port: int, num_blocks: int, session_len: int,
+def run_rank(rank: int, model_dir: str, config, host: str, port: int, num_blocks: int, session_len: int,
              num_threads: int) -> None:
     """A rank other than 0, to the end: join the groups, build its shard, then run what the driver sends
     (a ``ModelRunner`` method and its arguments) until it sends None or the group breaks."""

@@ -568,7 +568,7 @@ class PytorchEngine(Engine):
                 logger.exception('engine: failing session %d failed', seq.session_id)
 
     def _lose_ranks(self, error: RankFailure) -> None:
-        """A tensor-parallel rank is gone: every request held ends with the error, and the engine closes."""
+        """A parallel rank is gone: every request held ends with the error, and the engine closes."""
         logger.error('engine: %s', error)
         self._fail_all(str(error))
         with self._cond:

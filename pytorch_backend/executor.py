@@ -26,14 +26,14 @@ class RankExecutor:
     (``distributed.make_groups``), ``ranks`` its line to the other ranks."""
 
     def __init__(self, model_dir: str, config, num_blocks: int, session_len: int, num_threads: int):
-        self.size = size = config.tp * config.pp
+        self.size = config.tp * config.pp
         self.backend = config.distributed_executor_backend or 'mp'
         host = '127.0.0.1'
         if self.backend == 'ray':
             self._ray_connect(config.ray_address)
             host = host_address('')  # this node's address, as the cluster sees it
         store = make_store(host, 0, is_master=True)
-        args = (model_dir, config, host, store.port, num_blocks, session_len, num_threads)
+        args = (model_dir, config, host, store.port, num_blocks, session_len, num_threads)  # run_rank's, after the rank
         self._procs, self._actors = [], []
         if self.backend == 'mp':
             self._start_processes(args)
@@ -41,13 +41,12 @@ class RankExecutor:
             self._start_actors(args)
         self.store = store
         self.groups = make_groups(store, host, 0, config.tp, config.pp)  # waits for every rank to join
-        self.group = self.groups[0]
-        self.ranks = RankGroup(self.group, size, self.status)
+        self.ranks = RankGroup(self.groups[0], self.status)
 
     def ready(self) -> None:
         """Wait until every rank has built its shard (after the driver built its own)."""
         try:
-            self.group.barrier().wait()
+            self.ranks.group.barrier().wait()
         except RuntimeError as e:
             raise self.ranks.failure(e) from e
 
@@ -89,10 +88,8 @@ class RankExecutor:
     def _start_processes(self, args) -> None:
         from .distributed import run_rank
         ctx = multiprocessing.get_context('spawn')
-        model_dir, config, host, port, num_blocks, session_len, num_threads = args
         for rank in range(1, self.size):
-            p = ctx.Process(target=run_rank, name=f'lmd-rank-{rank}', daemon=True,
-                            args=(model_dir, config, rank, host, port, num_blocks, session_len, num_threads))
+            p = ctx.Process(target=run_rank, name=f'lmd-rank-{rank}', daemon=True, args=(rank, *args))
             p.start()
             self._procs.append(p)
 
@@ -115,19 +112,16 @@ class RankExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from .distributed import run_rank
-        model_dir, config, host, port, num_blocks, session_len, num_threads = args
-        size = self.size
-        self._placement_group = pg = placement_group([{'CPU': 1}] * size, strategy='SPREAD')
+        self._placement_group = pg = placement_group([{'CPU': 1}] * self.size, strategy='SPREAD')
         ray.get(pg.ready(), timeout=120)
         rank_actor = ray.remote(num_cpus=1)(_RankActor)
         self._runs = {}
-        for rank in range(1, size):
+        for rank in range(1, self.size):
             actor = rank_actor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank)).remote()
             self._actors.append(actor)
-            self._runs[actor.run.remote(run_rank, model_dir, config, rank, host, port, num_blocks, session_len,
-                                        num_threads)] = rank
+            self._runs[actor.run.remote(run_rank, rank, *args)] = rank
 
 
 class _RankActor:

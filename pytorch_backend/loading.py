@@ -13,8 +13,9 @@ from lmd.weights.turbomind_layout import gguf_matmuls, is_converted
 
 def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None,
                        dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple], str]:
-    """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'; a GGUF
-    conversion's dequantized weights included), or quantized (AWQ, W8A8, GPTQ, compressed-tensors, FP8),
+    """(float weights, quantized matmuls, format) of an HF checkpoint: float ('hf'), a GGUF conversion
+    ('gguf': its Q4_0 / Q4_1 / Q4_K matmuls and Q8_0 head quantized as TurboMind reads them,
+    ``gguf_matmuls``, the rest dequantized), or quantized (AWQ, W8A8, GPTQ, compressed-tensors, FP8),
     detected from config.json as TurboMind detects it, whose matmuls stay quantized (HF weight name -> a
     layout of ``lmd.weights.quant_layouts``; FP8 ones are dequantized). TurboMind's own layout is refused."""
     from lmd.model_loader import load_weights
@@ -44,8 +45,8 @@ def load_model(model_dir: str, mc: ModelConfig, model_format: str | None, dtype:
                kernel_backend: str | None, rank: int = 0, tp: int = 1, layers: range | None = None):
     """(model, format) of ``model_dir``: its weights (``load_model_weights``), rank ``rank``'s shard of them
     when ``tp`` > 1 (``lmd.weights.tensor_parallel``), built on ``device`` with its kernels on this thread's
-    torch thread count; ``layers``: a pipeline stage's decoder layers (None: all). Its RoPE table is the caller's to build (``build_rope``), once it knows the session
-    length."""
+    torch thread count; ``layers``: a pipeline stage's decoder layers (None: all). Its RoPE table is the
+    caller's to build (``build_rope``), once it knows the session length."""
     from lmd.weights.tensor_parallel import shard_config, shard_weights
 
     from .models import build_model

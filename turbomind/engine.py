@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable, deliver, scored_token_ids)
+from lmd.engine import (Engine, EngineOutput, EngineRequest, EngineStats, ModelInfo, OutputCallback, SessionTable,
+                        deliver, scored_token_ids)
 from lmd.errors import ModelFormatError
 from lmd.lora import LoraAdapter
 from lmd.messages import SpeculativeConfig, TurbomindEngineConfig

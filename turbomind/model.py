@@ -23,7 +23,7 @@ from lmd.weights.moe import EXPERT_STACKS, MOE_MATMULS
 from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
-from lmd.kernels import ops
+from lmd.kernels import ops, pack_w4a16_panels
 
 from . import _turbomind
 
@@ -60,11 +60,7 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         s, m = _narrowed(s), _narrowed(m)
         if s.dtype != m.dtype:
             s, m = s.float(), m.float()
-        panels = (q.shape[0] + 63) // 64  # W4A16 panels are 64 wide
-        qp = torch.empty(panels, q.shape[1] // 4, 64, dtype=torch.int32)
-        sp, mp = (torch.empty(panels, s.shape[1], 64, dtype=s.dtype) for _ in range(2))
-        ops.pack_w4a16(*(to_dlpack(t) for t in (q, s, m, qp, sp, mp)))
-        tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = qp, sp, mp
+        tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = pack_w4a16_panels(q, s, m)
     for name in list(tensors):
         w = tensors[name]
         if name.startswith('layers.') and name.endswith(EXPERT_STACKS):  # [E, N, K] -> [E, P, K, 16]

@@ -40,6 +40,19 @@ def cpu_features() -> dict:
     return _kernels.cpu_features()
 
 
+def pack_w4a16_panels(qweight, scales, mins):
+    """(qpanels, spanels, mpanels): a W4A16 matmul (qweight [N, K / 2], scales and mins [N, K / G]) in the
+    64-wide panels ``ops.linear_w4a16_packed`` reads (``ops.pack_w4a16``; csrc/cpu/gemm.h)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    panels = -(-qweight.shape[0] // 64)
+    qp = torch.empty(panels, qweight.shape[1] // 4, 64, dtype=torch.int32)
+    sp, mp = (torch.empty(panels, scales.shape[1], 64, dtype=scales.dtype) for _ in range(2))
+    ops.pack_w4a16(*(to_dlpack(t) for t in (qweight, scales, mins, qp, sp, mp)))
+    return qp, sp, mp
+
+
 def release_openmp_threads() -> bool:
     """Let the calling thread's idle OpenMP workers exit (torch's pool, once loaded), so that the
     kernels' team does not share the cores with a second, idle one (see bindings/module.cc)."""

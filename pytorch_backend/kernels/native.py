@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
-from lmd.kernels import ops
+from lmd.kernels import ops, pack_w4a16_panels
 
 from ..context import StepContext
 from . import torch_ops
@@ -58,7 +58,7 @@ class NativeQuantLinear:
         self.group_size = None if parts[1].dim() == 1 else \
             parts[0].shape[1] * (2 if len(parts) == 3 else 1) // parts[1].shape[1]
         if len(self.parts) == 3:  # W4A16 in TurboMind's panels: its broadcast-form kernel, 1.5x at 16 rows
-            self.parts = _w4a16_panels(*self.parts)
+            self.parts = pack_w4a16_panels(*self.parts)
         self.handles = tuple(ops.HostTensor(to_dlpack(t)) for t in self.parts)
         self.b_handle = None if self.bias is None else ops.HostTensor(to_dlpack(self.bias))
 
@@ -72,15 +72,6 @@ class NativeQuantLinear:
         else:
             ops.linear_w4a16_packed(to_dlpack(x), *self.handles, self.b_handle, to_dlpack(y))
         return y
-
-
-def _w4a16_panels(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(qweight [N, K / 2], scales, mins [N, K / G]) in the W4A16 panels of ``ops.pack_w4a16``."""
-    panels = -(-qweight.shape[0] // 64)
-    qp = torch.empty((panels, qweight.shape[1] // 4, 64), dtype=torch.int32)
-    sp, mp = (torch.empty((panels, scales.shape[1], 64), dtype=scales.dtype) for _ in range(2))
-    ops.pack_w4a16(to_dlpack(qweight), to_dlpack(scales), to_dlpack(mins), to_dlpack(qp), to_dlpack(sp), to_dlpack(mp))
-    return qp, sp, mp
 
 
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):

@@ -132,19 +132,18 @@ class CausalLM:
             return torch.cat([weights[n].to(dtype) for n in names], dim=0).to(self.device).contiguous()
 
         # a pipeline stage holds the embedding when it is the first, the final norm and lm_head when the last
-        self.embed_tokens = self.norm = self.lm_head = None
-        if self.first_stage or (self.last_stage and config.tie_word_embeddings):
-            self.embed_tokens = get('model.embed_tokens.weight')
+        tied = self.last_stage and config.tie_word_embeddings
+        embed = get('model.embed_tokens.weight') if self.first_stage or tied else None
+        self.embed_tokens = embed if self.first_stage else None
+        self.norm = self.lm_head = None
         if self.last_stage:
             self.norm = norm('model.norm.weight')
             # tied models share the embedding (a checkpoint may still carry a copy of it); GPTQ's may quantize it
             self.lm_head = quantized.get('lm_head.weight')
             if self.lm_head is None:
-                self.lm_head = self.embed_tokens if config.tie_word_embeddings else get('lm_head.weight')
+                self.lm_head = embed if tied else get('lm_head.weight')
             else:
                 self.lm_head = on_device(self.lm_head)
-            if not self.first_stage:
-                self.embed_tokens = None  # read for the tied lm_head only
         self.layers: list[DecoderLayer] = []
         for n in self.layer_ids:
             p = f'model.layers.{n}.'

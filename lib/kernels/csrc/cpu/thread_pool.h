@@ -4,9 +4,10 @@
 // has taken away (another process busy on its core) then holds nobody: it claims nothing until
 // it runs again, and only a piece it had already claimed is waited for. Idle workers spin a
 // short while for the next region, then sleep; the caller does the same for the last pieces.
-// When the caller waits long for a piece (its worker was preempted mid-piece), the team shrinks
-// by one for a while and grows back on a probe: on a core shared with a busy process, a worker
-// costs more in stalls than it brings.
+// When the caller's waits for pieces (their worker preempted mid-piece) cost a good share of the
+// regions' time lately, the team shrinks by one for a while and grows back on a probe: on a core
+// shared with a busy process, a worker costs more in stalls than it brings; a stall now and then
+// (another thread of the process waking for a moment) does not cut it.
 //
 // One region runs at a time per pool (one pool per library that links lmd_kernels); a region
 // started while another runs (a second calling thread, or a kernel inside a region) runs its
