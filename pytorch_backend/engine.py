@@ -88,17 +88,10 @@ class PytorchEngine(Engine):
         block_size = cfg.cache_block_seq_len
         self.executor = None  # the other tensor- and pipeline-parallel ranks (executor.py); None: this process alone
         if world > 1:
-            from .distributed import build_rank_model
-            from .executor import RankExecutor
+            from .executor import start_ranks
             num_blocks, session_len = self._cache_size(mc, tp)  # known to every rank before it loads
-            self.executor = RankExecutor(model_dir, cfg, num_blocks, session_len, torch.get_num_threads())
-            try:
-                self.runner, self.model_format = build_rank_model(model_dir, cfg, 0, self.executor.groups, num_blocks,
-                                                                  session_len, ranks=self.executor.ranks)
-                self.executor.ready()
-            except BaseException:
-                self.executor.close()
-                raise
+            self.executor, self.runner, self.model_format = start_ranks(model_dir, cfg, num_blocks, session_len,
+                                                                        torch.get_num_threads())
         else:
             model, self.model_format = load_model(model_dir, mc, cfg.model_format, self.dtype, device,
                                                   cfg.kernel_backend)

@@ -21,6 +21,21 @@ from .distributed import RankGroup, host_address, make_groups, make_store
 logger = logging.getLogger('lmd.pytorch_backend')
 
 
+def start_ranks(model_dir: str, config, num_blocks: int, session_len: int, num_threads: int):
+    """(the executor of ranks 1.., rank 0's ``ModelRunner`` over its shard, the checkpoint's format), once
+    every rank has built its own; the ranks are let go again if any fails."""
+    from .distributed import build_rank_model
+    executor = RankExecutor(model_dir, config, num_blocks, session_len, num_threads)
+    try:
+        runner, fmt = build_rank_model(model_dir, config, 0, executor.groups, num_blocks, session_len,
+                                       ranks=executor.ranks)
+        executor.ready()
+    except BaseException:
+        executor.close()
+        raise
+    return executor, runner, fmt
+
+
 class RankExecutor:
     """Ranks 1 .. tp * pp - 1 of an engine, started; ``groups`` the driver's process groups
     (``distributed.make_groups``), ``ranks`` its line to the other ranks."""
