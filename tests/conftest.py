@@ -22,3 +22,18 @@ def triton_server(tmp_path_factory):
     server = start_triton(build_smollm2_repository(out), out)
     yield server
     server.stop()
+
+
+@pytest.fixture(params=['avx2', 'avx512'])
+def kernel_isa(request):
+    """The test once per vector instruction set of the kernel library (lmd.kernels.ops.set_isa),
+    skipped where this CPU lacks it; the level in use before is restored after."""
+    from lmd.kernels import ops
+    if request.param not in ops.supported_isas():
+        pytest.skip(f'this CPU has no {request.param} (it runs {ops.supported_isas()})')
+    old = ops.isa()
+    ops.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_isa(old)

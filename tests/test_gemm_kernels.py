@@ -1,8 +1,8 @@
 """The kernel library's packed matmuls (lmd.kernels.ops.linear_packed, linear_w4a16_packed;
-lib/kernels/csrc/cpu/gemm.h): each AVX2 GEMM/GEMV against its scalar C++ reference, bit for bit, over
-a grid of shapes (tile, chunk and row-block remainders in M, N and K) and dtypes; the reference
-against torch in float64; rows independent of the batch and of the thread count; the panel
-layouts and their round trips; then the checks on bad arguments."""
+lib/kernels/csrc/cpu/gemm.h): each AVX2 and AVX-512 GEMM/GEMV (the kernel_isa fixture) against its
+scalar C++ reference, bit for bit, over a grid of shapes (tile, chunk and row-block remainders in M,
+N and K) and dtypes; the reference against torch in float64; rows independent of the batch and of
+the thread count; the panel layouts and their round trips; then the checks on bad arguments."""
 from __future__ import annotations
 
 import pytest
@@ -75,7 +75,7 @@ SHAPES = [(1, 8), (7, 13), (16, 64), (17, 257), (100, 576), (45, 1536)]
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('N,K', SHAPES)
 @pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 33, 70])
-def test_linear_packed_equals_reference(M, N, K, dtype):
+def test_linear_packed_equals_reference(M, N, K, dtype, kernel_isa):
     x, w, b = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2), rand(N, dtype=dtype, seed=3)
     packed = pack(w)
     for bias in (None, b):
@@ -87,7 +87,7 @@ def test_linear_packed_equals_reference(M, N, K, dtype):
 
 
 @pytest.mark.parametrize('M,K', [(130, 576), (70, 1536)])
-def test_linear_packed_row_blocks(M, K):
+def test_linear_packed_row_blocks(M, K, kernel_isa):
     x, w = rand(M, K, seed=4), rand(40, K, seed=5)
     packed = pack(w)
     assert torch.equal(linear_packed(x, packed, None, 40), linear_packed(x, packed, None, 40, reference=True))
@@ -96,7 +96,7 @@ def test_linear_packed_row_blocks(M, K):
 @pytest.mark.parametrize('x_dtype,w_dtype', [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
                                              (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize('M', [1, 9])
-def test_linear_packed_mixed_dtypes(M, x_dtype, w_dtype):
+def test_linear_packed_mixed_dtypes(M, x_dtype, w_dtype, kernel_isa):
     x, w, b = rand(M, 96, dtype=x_dtype, seed=6), rand(50, 96, dtype=w_dtype, seed=7), rand(50, dtype=w_dtype, seed=8)
     packed = pack(w)
     got, ref = linear_packed(x, packed, b, 50), linear_packed(x, packed, b, 50, reference=True)
@@ -104,7 +104,7 @@ def test_linear_packed_mixed_dtypes(M, x_dtype, w_dtype):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-def test_non_finite_and_overflowing_values_round_alike(dtype):
+def test_non_finite_and_overflowing_values_round_alike(dtype, kernel_isa):
     """inf, NaN and sums that overflow the output's dtype: the same bits as the reference."""
     big = torch.finfo(dtype).max
     x = torch.tensor([[1.0, 0.0], [float('inf'), 1.0], [float('nan'), 1.0], [big, big], [-big, -big], [1.0, 1.0]],
@@ -121,7 +121,7 @@ def test_non_finite_and_overflowing_values_round_alike(dtype):
 # -- batch invariance -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('dtype', DTYPES)
-def test_rows_do_not_depend_on_the_batch_or_the_threads(dtype):
+def test_rows_do_not_depend_on_the_batch_or_the_threads(dtype, kernel_isa):
     """Row m is bitwise the same alone (the GEMV), inside any batch (GEMM tiles, row blocks), and
     on 1, 2 or 3 threads."""
     N, K = 300, 576
@@ -194,7 +194,7 @@ def test_w4a16_pack_layout_and_round_trip(scale_dtype):
 @pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128)])
 @pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 70])
 @pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
-def test_w4a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype):
+def test_w4a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype, kernel_isa):
     """And the reference stays within tests/test_quant_kernels.py's tolerance of the float64
     product with the dequantized weights. Scales and mins in float16 (GGUF's blocks) give the
     same result as the same values in float32."""
@@ -228,7 +228,7 @@ def assert_rows_independent(run, x, sizes=(1, 2, 3, 4, 5, 6, 13), rows=(7,)):
             assert torch.equal(with_threads(threads, lambda: run(x[m:m + 1]))[0], full[m]), (threads, m)
 
 
-def test_w4a16_rows_do_not_depend_on_the_batch_or_the_threads():
+def test_w4a16_rows_do_not_depend_on_the_batch_or_the_threads(kernel_isa):
     N, K, G = 300, 576, 32
     panels = [ops.HostTensor(dl(t)) for t in pack_w4a16(*rand_w4a16(N, K, G, seed=4))]
     b = rand(N, seed=6)

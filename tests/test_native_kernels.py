@@ -23,9 +23,27 @@ def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
-def test_dispatch_uses_avx2_here():
-    # every machine this project runs on has AVX2/FMA/F16C; elsewhere 'ref' is the fallback
-    assert ops.isa() == ('avx2' if kernels.cpu_features()['avx2'] else 'ref')
+def test_dispatch_picks_the_best_instruction_set_and_can_be_capped():
+    # every machine this project runs on has AVX2/FMA/F16C; elsewhere 'ref' is the fallback; AVX-512
+    # (F, BW, VL, DQ) where the CPU has it, unless LMD_CPU_ISA caps it
+    f = kernels.cpu_features()
+    best = 'avx512' if all(f[k] for k in ('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')) else \
+        'avx2' if f['avx2'] and f['fma'] and f['f16c'] else 'ref'
+    assert ops.supported_isas()[-1] == best
+    import os
+    if 'LMD_CPU_ISA' not in os.environ:
+        assert ops.isa() == best
+    old = ops.isa()
+    try:
+        ops.set_isa('ref')
+        assert ops.isa() == 'ref' and not ops.avx512_vnni()
+        ops.set_isa('')
+        assert ops.isa() == best and ops.avx512_vnni() == (best == 'avx512' and f['avx512vnni'])
+        with pytest.raises(ValueError, match="'avx1024' is not one of"):
+            ops.set_isa('avx1024')
+        assert ops.isa() == best
+    finally:
+        ops.set_isa(old)
 
 
 # -- linear --------------------------------------------------------------------------------------

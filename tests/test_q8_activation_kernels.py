@@ -1,10 +1,10 @@
-"""The matmuls with activations quantized to int8 per 32 k, as llama.cpp's Q8_0 / Q8_1 blocks:
-W4A8 on the W4A16 panels (ops.linear_w4a8_packed; lib/kernels/csrc/cpu/gemm.h) and W8A8 by
-groups on the W8A16 layout (ops.linear_w8a8_group; lib/kernels/csrc/cpu/quant.h). Each AVX2 kernel
-against its scalar C++ reference bit for bit over tile, block and group remainders; the reference
-against the definition computed in torch (float64 sums of the exact integer dots); the error
-against the float product within the activations' rounding bound; rows independent of the batch
-and the thread count."""
+"""The matmuls with activations quantized to int8 per 32 k, as llama.cpp's Q8_0 / Q8_1 blocks: W4A8 on
+the W4A16 panels (ops.linear_w4a8_packed; lib/kernels/csrc/cpu/gemm.h) and W8A8 by groups on the
+W8A16 layout (ops.linear_w8a8_group; lib/kernels/csrc/cpu/quant.h). Each AVX2 kernel (and W4A8's
+AVX-512 VNNI one: the kernel_isa fixture) against its scalar C++ reference bit for bit over tile,
+block and group remainders; the reference against the definition computed in torch (float64 sums of
+the exact integer dots); the error against the float product within the activations' rounding bound;
+rows independent of the batch and the thread count."""
 from __future__ import annotations
 
 import pytest
@@ -52,7 +52,7 @@ def w4a8_definition(x, qweight, scales, mins, bias):
                                    (130, 96, 96)])
 @pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 9, 37])
 @pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
-def test_w4a8_packed_equals_reference(M, N, K, G, dtype, scale_dtype):
+def test_w4a8_packed_equals_reference(M, N, K, G, dtype, scale_dtype, kernel_isa):
     qweight, scales, mins = rand_w4a16(N, K, G, seed=M + N)
     scales, mins = scales.to(scale_dtype), mins.to(scale_dtype)
     panels = pack_w4a16(qweight, scales, mins)
@@ -66,7 +66,7 @@ def test_w4a8_packed_equals_reference(M, N, K, G, dtype, scale_dtype):
         torch.testing.assert_close(ref.double(), want, **tol)
 
 
-def test_w4a8_error_is_within_the_activation_rounding_bound():
+def test_w4a8_error_is_within_the_activation_rounding_bound(kernel_isa):
     """|y - x w| <= sum over k of |w[n, k]| dx[m, k / 32] / 2 (each xq off by at most half a step),
     and in practice far below it."""
     N, K, G = 200, 1536, 32
@@ -83,7 +83,7 @@ def test_w4a8_error_is_within_the_activation_rounding_bound():
     assert err.max() < 2e-2 * exact.abs().max()    # a relative error of the order of 1 / 127
 
 
-def test_w4a8_rows_do_not_depend_on_the_batch_or_the_threads():
+def test_w4a8_rows_do_not_depend_on_the_batch_or_the_threads(kernel_isa):
     N, K, G = 300, 576, 32
     panels = [ops.HostTensor(dl(t)) for t in pack_w4a16(*rand_w4a16(N, K, G, seed=4))]
     b = rand(N, seed=6)

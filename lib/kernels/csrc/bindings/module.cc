@@ -45,6 +45,10 @@ PYBIND11_MODULE(_kernels, m) {
         d["fma"] = f.fma;
         d["f16c"] = f.f16c;
         d["avx512f"] = f.avx512f;
+        d["avx512bw"] = f.avx512bw;
+        d["avx512vl"] = f.avx512vl;
+        d["avx512dq"] = f.avx512dq;
+        d["avx512vnni"] = f.avx512vnni;
         d["num_procs"] = f.num_procs;
         return d;
     }, "The instruction sets the kernels may use on this CPU, and its processor count.");

@@ -267,7 +267,21 @@ void bind_ops(py::module_ & m) {
             "occurrence of the longest suffix of tokens (max_n down to min_n long); [] when none occurred.");
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
-    ops.def("isa", &cpu::isa, "The kernels in use: 'avx2' or 'ref' (the scalar reference).");
+    ops.def("isa", &cpu::isa, "The kernels in use: 'avx512', 'avx2' or 'ref' (the scalar reference).");
+    ops.def("set_isa", [](const std::string & name) {
+                if (!cpu::set_isa(name.c_str()))
+                    throw py::value_error("set_isa: '" + name + "' is not one of 'ref', 'avx2', 'avx512' that this CPU "
+                                          "runs (it has up to '" + cpu::isa_name(cpu::isa_supported()) + "')");
+            }, py::arg("name"),
+            "Cap the kernels' instruction set ('ref', 'avx2', 'avx512'; '' for the best this CPU has); "
+            "LMD_CPU_ISA sets it at start.");
+    ops.def("supported_isas", []() {
+                std::vector<std::string> out{"ref"};
+                if (cpu::isa_supported() >= cpu::Isa::avx2) out.push_back("avx2");
+                if (cpu::isa_supported() >= cpu::Isa::avx512) out.push_back("avx512");
+                return out;
+            }, "The instruction sets this CPU runs, lowest first.");
+    ops.def("avx512_vnni", &cpu::use_avx512_vnni, "Whether the W4A8 kernel runs its AVX512-VNNI path.");
     bind_quant(ops);
     bind_gguf(ops);
     bind_gemm(ops);

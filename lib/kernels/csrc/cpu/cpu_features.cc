@@ -14,7 +14,12 @@ static cpu_features cpu_features_detect() {
     __builtin_cpu_init();
     f.avx2 = __builtin_cpu_supports("avx2");
     f.fma = __builtin_cpu_supports("fma");
+    // these keys check that the OS saves the registers too (XCR0), not only CPUID
     f.avx512f = __builtin_cpu_supports("avx512f");
+    f.avx512bw = __builtin_cpu_supports("avx512bw");
+    f.avx512vl = __builtin_cpu_supports("avx512vl");
+    f.avx512dq = __builtin_cpu_supports("avx512dq");
+    f.avx512vnni = __builtin_cpu_supports("avx512vnni");
     // GCC and Clang have no "f16c" key on every version; F16C is CPUID.1:ECX bit 29.
     unsigned int eax = 1, ebx = 0, ecx = 0, edx = 0;
     __asm__ __volatile__("cpuid" : "+a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "c"(0));
@@ -43,6 +48,10 @@ std::string cpu_features_summary() {
     s += f.fma ? "FMA " : "";
     s += f.f16c ? "F16C " : "";
     s += f.avx512f ? "AVX512F " : "";
+    s += f.avx512bw ? "AVX512BW " : "";
+    s += f.avx512vl ? "AVX512VL " : "";
+    s += f.avx512dq ? "AVX512DQ " : "";
+    s += f.avx512vnni ? "AVX512VNNI " : "";
     s += "procs=" + std::to_string(f.num_procs);
     return s;
 }

@@ -10,6 +10,10 @@ struct cpu_features {
     bool fma = false;
     bool f16c = false;
     bool avx512f = false;
+    bool avx512bw = false;
+    bool avx512vl = false;
+    bool avx512dq = false;
+    bool avx512vnni = false;  // VPDPBUSD: int8 dot products accumulated in int32
     int  num_procs = 1;  // logical processors this process may run on
 };
 

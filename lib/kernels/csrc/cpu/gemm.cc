@@ -13,8 +13,6 @@ namespace lmd::cpu {
 
 namespace {
 
-bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
-
 // packed[p, k, j] = w[W p + j, k] in panels W wide, zero past N; T: an element's bits
 // (uint32_t or uint16_t).
 template <typename T>
@@ -102,7 +100,7 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
                    bool reference) {
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
             ref::linear_packed_rows(x, packed, bias, y, p0 * kPanelWidth, std::min(N, p1 * kPanelWidth));
         });
@@ -111,8 +109,9 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     std::vector<float> converted;
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
+    const bool wide = isa_at_least(Isa::avx512);
     split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-        avx2::linear_packed_panels(xf, ldx, M, packed, bias, y, p0, p1);
+        (wide ? avx512::linear_packed_panels : avx2::linear_packed_panels)(xf, ldx, M, packed, bias, y, p0, p1);
     });
 }
 
@@ -152,7 +151,7 @@ void w4_panels(const TensorView & x, const TensorView & spanels, const TensorVie
                Avx2 && avx2) {
     const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
     if (M == 0 || N == 0) return;
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         split_panels(M, N, K, [&](int64_t p0, int64_t p1) { ref_rows(p0 * kPanelWidth, std::min(N, p1 * kPanelWidth)); });
         return;
     }
@@ -175,8 +174,10 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
             parallel(prepare_threads(M, K), [&](int t, int nt) {
                 avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
             });
+            const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w4a16_packed_panels
+                                                          : avx2::linear_w4a16_packed_panels;
             split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-                avx2::linear_w4a16_packed_panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
+                panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
             });
         });
 }
@@ -194,9 +195,10 @@ void linear_w4a8_packed(const TensorView & x, const TensorView & qpanels, const 
                 avx2::w4a8_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xq.data(), dx.data(),
                                         xsum.data());
             });
+            const auto panels = use_avx512_vnni() ? avx512::linear_w4a8_packed_panels
+                                                  : avx2::linear_w4a8_packed_panels;
             split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-                avx2::linear_w4a8_packed_panels(xq.data(), dx.data(), xsum.data(), M, qpanels, spanels, mpanels, bias,
-                                                y, p0, p1);
+                panels(xq.data(), dx.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
             });
         });
 }

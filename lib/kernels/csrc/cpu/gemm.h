@@ -1,8 +1,8 @@
 // Matmuls over pre-packed weights: TurboMind's GEMM (prefill) and GEMV (decode) for float32,
 // bfloat16 and float16 weights, and for W4A16 weights (quant.h) in panels too. As in
 // kernels.h, a scalar reference (gemm_ref.cc) defines each result and an AVX2/FMA/F16C
-// version (gemm_avx2.cc, gemm_w4a16_avx2.cc; their tile: gemm_tile_avx2.h) is picked at run
-// time; gemm.cc packs and splits the work across threads.
+// version (gemm_avx2.cc, gemm_w4a16_avx2.cc; their tile: gemm_tile_avx2.h) or an AVX-512 one
+// (gemm_avx512.cc) is picked at run time; gemm.cc packs and splits the work across threads.
 //
 // Packed layout, for w[N, K] (any float dtype, kept as is):
 //   packed: [P, K, 16] with P = ceil(N / 16), packed[p, k, j] = w[16 p + j, k], zero for
@@ -122,5 +122,18 @@ void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float 
                                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
                                const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
 }  // namespace avx2
+
+// The same panels with AVX-512 (F, BW, VL, DQ; gemm_avx512.cc), from the AVX2 kernels' prepared
+// rows; the W4A8 one needs AVX512-VNNI too. The bits are the AVX2 kernels'.
+namespace avx512 {
+void linear_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & packed,
+                          const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
+void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M, const TensorView & qpanels,
+                                const TensorView & spanels, const TensorView & mpanels, const TensorView * bias,
+                                const TensorView & y, int64_t p0, int64_t p1);
+void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float * xsum, int64_t M,
+                               const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
+                               const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
+}  // namespace avx512
 
 }  // namespace lmd::cpu

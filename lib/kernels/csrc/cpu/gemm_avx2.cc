@@ -103,7 +103,7 @@ void panels_gemm(const Src & src, const float * x, int64_t ldx, int64_t M, int64
     static thread_local std::vector<float> buf;
     buf.resize(kKC * kW);
     const float * w = nullptr;
-    gemm_blocks(M, K, kKC, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { w = src.chunk(p, k0, kc, buf.data()); },
+    gemm_blocks<kMR>(M, K, kKC, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { w = src.chunk(p, k0, kc, buf.data()); },
                 [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
                     tile_chunk_m(mr, x + m * ldx + k0, ldx, w, kc, k0 == 0, k0 + kc == K, part,
                                  bias ? bias + p * kW : nullptr, std::min<int64_t>(kW, N - p * kW),

@@ -1,5 +1,5 @@
 // The tile of the packed matmuls' AVX2 kernels (gemm_avx2.cc, gemm_w4a16_avx2.cc): its
-// shape, blocking and accumulators. Include only from translation units compiled with
+// shape and accumulators (the blocking: gemm_blocks.h). Include only from translation units compiled with
 // -mavx2 -mfma -mf16c.
 //
 // Broadcast form: a tile of MR rows of x by NP panels (16 NP columns) keeps MR x 2 NP
@@ -10,10 +10,8 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <vector>
-
 #include "cpu/gemm.h"
+#include "cpu/gemm_blocks.h"
 #include "cpu/simd_avx2.h"
 
 namespace lmd::cpu::avx2::tile {
@@ -22,37 +20,6 @@ constexpr int64_t kW = kPanelWidth;
 // Rows of the GEMM tile: 6 x 16 keeps 12 accumulators, two weight vectors and a broadcast
 // in the 16 ymm registers, and 12 independent FMAs a k cover the FMA latency (4 cycles, 2 a cycle).
 constexpr int kMR = 6;
-// k per step of the GEMM: a chunk of kKC x 16 float32 (16 KiB) stays in L1 while every tile
-// of x passes over it (W4A16 takes whole groups: a multiple of G near it).
-constexpr int64_t kKC = 256;
-// Bytes of x rows that one pass over this thread's panels keeps in L2 (512 KiB a core on
-// Zen 3): the rows of x are taken in blocks of about this size, each block meeting every panel.
-constexpr int64_t kXBlockBytes = 256 << 10;
-
-// The GEMM's blocking for M >= 6, shared by the float and W4A16 kernels. The rows of x go
-// in blocks of mc (about kXBlockBytes of them: the block stays in L2 while this thread's
-// panels [p0, p1) stream past it); per block and panel, k in chunks of kc (whole W4A16
-// groups). fn(m, mr, p, k0, kc, part) runs one tile of mr <= kMR rows from m over a chunk,
-// after chunk(p, k0, kc) has readied it; part [mr, 16] keeps the tile's partial sums
-// between chunks.
-template <typename Chunk, typename Fn>
-void gemm_blocks(int64_t M, int64_t K, int64_t kc, int64_t p0, int64_t p1, Chunk && chunk, Fn && fn) {
-    static thread_local std::vector<float> part;
-    const int64_t mc = std::max<int64_t>(1, kXBlockBytes / (K * 4) / kMR) * kMR;
-    part.resize(std::min(M, mc) * kW);
-    for (int64_t mb = 0; mb < M; mb += mc) {
-        const int64_t me = std::min(M, mb + mc);
-        for (int64_t p = p0; p < p1; ++p) {
-            for (int64_t k0 = 0; k0 < K; k0 += kc) {
-                const int64_t kn = std::min(kc, K - k0);
-                chunk(p, k0, kn);
-                for (int64_t m = mb; m < me; m += kMR) {
-                    fn(m, static_cast<int>(std::min<int64_t>(kMR, me - m)), p, k0, kn, part.data() + (m - mb) * kW);
-                }
-            }
-        }
-    }
-}
 
 // The accumulators of an MR x NP-panel tile. (Tiles copy them into a local before their
 // loop: there the compiler can hold them in registers, as it cannot prove that stores

@@ -196,7 +196,7 @@ void panels_gemm(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, 
     static thread_local std::vector<float> buf;
     const int64_t kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
     buf.resize(kcs * kW);
-    gemm_blocks(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf.data()); },
+    gemm_blocks<kMR>(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf.data()); },
                 [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
                     tile_chunk_g(mr, a, m, p, k0, kc, buf.data(), part, bias ? bias + p * kW : nullptr,
                                  std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);

@@ -15,8 +15,6 @@ namespace lmd::cpu {
 
 namespace {
 
-bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
-
 // Below ~64k multiply-adds a second thread costs more than it saves.
 int matmul_threads(int64_t M, int64_t N, int64_t K) {
     return static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, M * N * K >> 16)));
@@ -28,7 +26,7 @@ void gguf_dequantize(const TensorView & raw, int type, const TensorView & out, b
     const int64_t N = out.size(0), K = out.size(1);
     const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, N * K >> 16)));
     parallel_ranges(threads, N, 1, [&](int64_t n0, int64_t n1) {
-        if (reference || !use_avx2()) {
+        if (reference || !isa_at_least(Isa::avx2)) {
             ref::gguf_dequantize_rows(raw, type, out, n0, n1);
         } else {
             avx2::gguf_dequantize_rows(raw.ptr<uint8_t>(), type, K, out.ptr<float>(), n0, n1);
@@ -41,7 +39,7 @@ void linear_gguf(const TensorView & x, const TensorView & raw, int type, const T
     const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);
     if (M == 0 || N == 0) return;
     const int threads = matmul_threads(M, N, K);
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         parallel(threads, [&](int t, int nt) {
             ref::linear_gguf_rows(x, raw, type, bias, y, int8_activations, N * t / nt, N * (t + 1) / nt);
         });

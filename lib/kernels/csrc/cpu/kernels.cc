@@ -5,24 +5,53 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cpu/cpu_features.h"
 
 namespace lmd::cpu {
 
+const char * isa_name(Isa level) {
+    return level == Isa::avx512 ? "avx512" : level == Isa::avx2 ? "avx2" : "ref";
+}
+
 namespace {
 
 std::atomic<int> g_num_threads{0};  // 0: one per processor
 
-bool use_avx2() {
-    static const bool ok = [] {
-        const cpu_features & f = cpu_features_get();
-        return f.avx2 && f.fma && f.f16c;
-    }();
-    return ok;
+Isa detect_isa() {
+    const cpu_features & f = cpu_features_get();
+    if (!(f.avx2 && f.fma && f.f16c)) return Isa::ref;
+    if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return Isa::avx512;
+    return Isa::avx2;
 }
 
+bool parse_isa(const char * name, Isa & out) {
+    if (name == nullptr || *name == '\0') {
+        out = detect_isa();
+        return true;
+    }
+    for (Isa level : {Isa::ref, Isa::avx2, Isa::avx512}) {
+        if (std::strcmp(name, isa_name(level)) == 0) {
+            out = level;
+            return true;
+        }
+    }
+    return false;
+}
+
+// The level in use, read by every dispatch: the environment's cap at start, then set_isa's.
+std::atomic<int> & level_in_use() {
+    static std::atomic<int> level{[] {
+        Isa l = detect_isa();
+        Isa capped;
+        if (parse_isa(std::getenv("LMD_CPU_ISA"), capped) && capped < l) l = capped;
+        return static_cast<int>(l);
+    }()};
+    return level;
+}
 
 }  // namespace
 
@@ -33,7 +62,20 @@ int num_threads() {
     return n > 0 ? n : cpu_features_get().num_procs;
 }
 
-const char * isa() { return use_avx2() ? "avx2" : "ref"; }
+Isa isa_supported() { return detect_isa(); }
+
+Isa isa_level() { return static_cast<Isa>(level_in_use().load(std::memory_order_relaxed)); }
+
+const char * isa() { return isa_name(isa_level()); }
+
+bool set_isa(const char * name) {
+    Isa level;
+    if (!parse_isa(name, level) || level > detect_isa()) return false;
+    level_in_use().store(static_cast<int>(level));
+    return true;
+}
+
+bool use_avx512_vnni() { return isa_at_least(Isa::avx512) && cpu_features_get().avx512vnni; }
 
 void linear(const TensorView & x, const TensorView & w, const TensorView * bias, const TensorView & y,
             bool reference) {
@@ -41,7 +83,7 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
     if (M == 0 || N == 0) return;
     // below ~64k multiply-adds a second thread costs more than it saves
     const int threads = static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, M * N * K >> 16)));
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         parallel(threads, [&](int t, int nt) {
             ref::linear_rows(x, w, bias, y, N * t / nt, N * (t + 1) / nt);
         });
@@ -78,7 +120,7 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
     const int64_t tasks = B * num_kv_heads;
-    const bool vector = !reference && use_avx2() && q.size(2) % 8 == 0 && q.size(2) <= 256;
+    const bool vector = !reference && isa_at_least(Isa::avx2) && q.size(2) % 8 == 0 && q.size(2) <= 256;
     const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
     std::vector<std::vector<float>> scratch(threads);  // [thread][group * max_len]
     parallel_pieces(threads, tasks, [&](int64_t task, int thread) {
@@ -138,7 +180,7 @@ void for_rows(int64_t rows, int64_t elems_per_row, Fn && fn) {
 
 void rms_norm(const TensorView & x, const TensorView & w, float eps, const TensorView & out,
               const TensorView * residual, bool reference) {
-    const bool vector = !reference && use_avx2();
+    const bool vector = !reference && isa_at_least(Isa::avx2);
     for_rows(x.size(0), x.size(1), [&](int64_t m) {
         if (vector) {
             avx2::rms_norm_row(x, w, eps, out, residual, m);
@@ -154,7 +196,7 @@ void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const Te
                   bool reference) {
     // the AVX2 rows are the reference's bits (no fused multiply-add): ~5 us a token and layer scalar, 5% of a
     // 16-row SmolLM2 decode step
-    const bool vector = !reference && use_avx2() && q_out.size(2) <= 256;  // kMaxHeadDim (simd_avx2.h)
+    const bool vector = !reference && isa_at_least(Isa::avx2) && q_out.size(2) <= 256;  // kMaxHeadDim (simd_avx2.h)
     for_rows(qkv.size(0), qkv.size(1), [&](int64_t t) {
         if (vector) {
             avx2::rope_fill_kv_row(qkv, positions, cos_sin, k_cache, v_cache, slots, q_out, num_heads, num_kv_heads,
@@ -167,7 +209,7 @@ void rope_fill_kv(const TensorView & qkv, const TensorView & positions, const Te
 }
 
 void silu_and_mul(const TensorView & x, const TensorView & out, bool reference) {
-    const bool vector = !reference && use_avx2();
+    const bool vector = !reference && isa_at_least(Isa::avx2);
     for_rows(x.size(0), x.size(1), [&](int64_t m) {
         if (vector) {
             avx2::silu_and_mul_row(x, out, m);

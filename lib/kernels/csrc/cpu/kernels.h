@@ -21,8 +21,26 @@ inline int kv_code(const uint8_t * q, int64_t d, int bits) {
 void set_num_threads(int n);
 int num_threads();
 
-// Which implementation the dispatch picks: 'avx2' where the CPU has AVX2+FMA+F16C, else 'ref'.
+// The instruction sets the dispatch picks from, in order: the scalar reference; AVX2 + FMA +
+// F16C, the baseline every kernel has; AVX-512 (F, BW, VL, DQ) for the packed matmuls, whose
+// W4A8 kernel also takes VNNI where the CPU has it. A kernel without a path at the level in use
+// runs the highest one it has below it; every path gives its reference's bits (or its stated bound).
+enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2 };
+
+// The level in use: the best this CPU has, capped by set_isa or, at start, the environment
+// variable LMD_CPU_ISA ('ref', 'avx2', 'avx512').
+Isa isa_level();
+inline bool isa_at_least(Isa level) { return static_cast<int>(isa_level()) >= static_cast<int>(level); }
+// A level's name ('avx512', 'avx2', 'ref'), and the name of the one in use.
+const char * isa_name(Isa level);
 const char * isa();
+// The best level this CPU has.
+Isa isa_supported();
+// Caps the level ('ref', 'avx2', 'avx512'; '' for the best); false if name is unknown or above
+// what the CPU has (the level is then left as it was).
+bool set_isa(const char * name);
+// The W4A8 kernel's AVX-512 path uses VNNI: level avx512 and a CPU with AVX512-VNNI.
+bool use_avx512_vnni();
 
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]); accumulation in float32.
 // x, y: 2-D, unit stride in the last dim, any row stride; w: contiguous; bias: contiguous or null.

@@ -13,8 +13,6 @@ namespace lmd::cpu {
 
 namespace {
 
-bool use_avx2() { return std::strcmp(isa(), "avx2") == 0; }
-
 // Threads for an [M, K] x [N, K]ᵀ product: below ~64k multiply-adds a second thread costs
 // more than it saves.
 int matmul_threads(int64_t M, int64_t N, int64_t K) {
@@ -29,7 +27,7 @@ void linear_w4a16(const TensorView & x, const TensorView & qweight, const Tensor
     const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
     if (M == 0 || N == 0) return;
     const int threads = matmul_threads(M, N, K);
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         parallel(threads, [&](int t, int nt) {
             ref::linear_w4a16_rows(x, qweight, scales, mins, bias, y, group_size, N * t / nt, N * (t + 1) / nt);
         });
@@ -54,7 +52,7 @@ void w8_rows(const TensorView & x, const TensorView & qweight, bool reference, R
     const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
     if (M == 0 || N == 0) return;
     const int threads = matmul_threads(M, N, K);
-    if (reference || !use_avx2()) {
+    if (reference || !isa_at_least(Isa::avx2)) {
         parallel(threads, [&](int t, int nt) { ref_rows(N * t / nt, N * (t + 1) / nt); });
         return;
     }
@@ -104,7 +102,7 @@ void linear_w8a8_group(const TensorView & x, const TensorView & qweight, const T
 
 void quantize_per_token(const TensorView & x, const TensorView & xq, const TensorView & sx, bool reference) {
     const int64_t M = x.size(0), K = x.size(1);
-    const bool vector = !reference && use_avx2();
+    const bool vector = !reference && isa_at_least(Isa::avx2);
     const int threads = static_cast<int>(std::min<int64_t>({num_threads(), M, std::max<int64_t>(1, M * K >> 14)}));
     parallel(threads, [&](int t, int nt) {
         for (int64_t m = M * t / nt; m < M * (t + 1) / nt; ++m) {
@@ -118,7 +116,7 @@ void linear_w8a8(const TensorView & x, const TensorView & w, const TensorView & 
                  const TensorView & y, bool reference) {
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
     if (M == 0 || N == 0) return;
-    const bool vector = !reference && use_avx2();
+    const bool vector = !reference && isa_at_least(Isa::avx2);
     std::vector<int8_t> xq(M * K);
     std::vector<float> sx(M);
     for (int64_t m = 0; m < M; ++m) {
