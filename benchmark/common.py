@@ -178,8 +178,12 @@ async def lmd_batch(engine, prompts: list[Prompt]) -> list[RequestTiming]:
 
 
 def cpu_info() -> dict:
-    """The CPU as lscpu names it, with its flags, and the cores this process may run on."""
-    info = {'cpus': os.cpu_count(), 'affinity': sorted(os.sched_getaffinity(0))}
+    """The CPU as lscpu names it, with its flags, the cores this process may run on, and the kernel
+    library's instruction set in use (``kernels_isa``: 'avx512', 'avx2' or 'ref'; LMD_CPU_ISA caps it,
+    and engine workers started from here inherit the cap)."""
+    from lmd.kernels import ops
+    info = {'cpus': os.cpu_count(), 'affinity': sorted(os.sched_getaffinity(0)), 'kernels_isa': ops.isa(),
+            'avx512_vnni': ops.avx512_vnni()}
     try:
         out = subprocess.run(['lscpu'], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:

@@ -1,4 +1,4 @@
-"""The kernel library's packed matmuls (lmd.kernels.ops.linear_packed, linear_w4a16_packed;
+"""The kernel library's packed matmuls (lmd.kernels.ops.linear_packed, linear_w4a16_packed, linear_w8a16_packed;
 lib/kernels/csrc/cpu/gemm.h): each AVX2 and AVX-512 GEMM/GEMV (the kernel_isa fixture) against its
 scalar C++ reference, bit for bit, over a grid of shapes (tile, chunk and row-block remainders in M,
 N and K) and dtypes; the reference against torch in float64; rows independent of the batch and of
@@ -235,6 +235,71 @@ def test_w4a16_rows_do_not_depend_on_the_batch_or_the_threads(kernel_isa):
     assert_rows_independent(lambda x: w4a16_packed(x, panels, b, N), rand(140, K, seed=5))
 
 
+# -- W8A16 in panels ------------------------------------------------------------------------------
+
+def rand_w8a16(n, k, group_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
+
+
+def pack_w8a16(qweight, scales):
+    panels = (qweight.shape[0] + 15) // 16
+    qp = torch.full((panels, qweight.shape[1], 16), -1, dtype=torch.int8)
+    sp = torch.full((panels, scales.shape[1], 16), float('nan'), dtype=scales.dtype)
+    ops.pack_w8a16(dl(qweight), dl(scales), dl(qp), dl(sp))
+    return qp, sp
+
+
+def w8a16_packed(x, panels, bias, n, reference=False):
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    ops.linear_w8a16_packed(dl(x), *(p if isinstance(p, ops.HostTensor) else dl(p) for p in panels),
+                            None if bias is None else dl(bias), dl(y), reference=reference)
+    return y
+
+
+@pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
+def test_w8a16_pack_layout_and_round_trip(scale_dtype):
+    N, K, G = 37, 96, 32
+    q, s = rand_w8a16(N, K, G, seed=1)
+    s = s.to(scale_dtype)
+    qp, sp = pack_w8a16(q, s)
+    n = torch.arange(N)
+    assert torch.equal(qp[n // 16, :, n % 16], q) and torch.equal(sp[n // 16, :, n % 16], s)
+    assert (qp[2, :, N - 32:] == 0).all() and (sp[2, :, N - 32:] == 0).all()   # columns past N
+    back = torch.empty_like(q), torch.empty_like(s)
+    ops.unpack_w8a16(dl(qp), dl(sp), *(dl(t) for t in back))
+    assert torch.equal(back[0], q) and torch.equal(back[1], s)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128)])
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 40, 41, 70])
+@pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
+def test_w8a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype, kernel_isa):
+    """M: the GEMV tiles (1..5), the per-panel row tiles (6..40) and the GEMM past them. The reference
+    stays within float32 rounding of the float64 product with the dequantized weights."""
+    q, s = rand_w8a16(N, K, G, seed=M + N)
+    s = s.to(scale_dtype)
+    panels = pack_w8a16(q, s)
+    x, b = rand(M, K, dtype=dtype, seed=2), rand(N, seed=3)
+    for bias in (None, b):
+        got, ref = w8a16_packed(x, panels, bias, N), w8a16_packed(x, panels, bias, N, reference=True)
+        assert torch.equal(got, ref), (got.double() - ref.double()).abs().max()
+        w = q.double() * s.double().repeat_interleave(G, dim=1)
+        want = F.linear(x.double(), w, None if bias is None else bias.double())
+        tol = dict(atol=2e-6 * K ** 0.5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+        torch.testing.assert_close(ref.double(), want, **tol)
+
+
+def test_w8a16_rows_do_not_depend_on_the_batch_or_the_threads(kernel_isa):
+    q, s = rand_w8a16(300, 576, 32, seed=7)
+    panels = [ops.HostTensor(dl(t)) for t in pack_w8a16(q, s)]
+    b = rand(300, seed=8)
+    assert_rows_independent(lambda x: w8a16_packed(x, panels, b, 300), rand(140, 576, seed=9),
+                            sizes=(1, 2, 3, 4, 5, 6, 13, 40, 41))
+
+
 # -- bad arguments ---------------------------------------------------------------------------------
 
 def test_bad_arguments_are_clear_errors():
@@ -271,3 +336,14 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="scales .*of spanels' dtype, float16"):
         q, s, m = rand_w4a16(20, 64, 32)
         ops.pack_w4a16(dl(q), dl(s), dl(m), dl(qp), dl(sp.half()), dl(mp.half()))
+    qp8, sp8 = pack_w8a16(*rand_w8a16(20, 64, 32))
+    with pytest.raises(ValueError, match=r'qpanels .*int8 \[P, K, 16\]'):
+        ops.linear_w8a16_packed(dl(rand(3, 64)), dl(qp8.int()), dl(sp8), None, dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match='K = 64'):
+        ops.linear_w8a16_packed(dl(rand(3, 32)), dl(qp8), dl(sp8), None, dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match=r'ceil\(N / 16\) = 2 panels'):
+        ops.linear_w8a16_packed(dl(rand(3, 64)), dl(qp8), dl(sp8), None, dl(torch.empty(3, 40)))
+    with pytest.raises(ValueError, match='G a multiple of 32'):
+        ops.linear_w8a16_packed(dl(rand(3, 64)), dl(qp8), dl(torch.zeros(2, 4, 16)), None, dl(torch.empty(3, 20)))
+    with pytest.raises(ValueError, match=r'qpanels .*must be \[3, 64, 16\] for qweight \[40, 64\]'):
+        ops.pack_w8a16(dl(rand_w8a16(40, 64, 32)[0]), dl(rand_w8a16(40, 64, 32)[1]), dl(qp8), dl(sp8))

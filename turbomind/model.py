@@ -23,7 +23,7 @@ from lmd.weights.moe import EXPERT_STACKS, MOE_MATMULS
 from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
-from lmd.kernels import ops, pack_w4a16_panels
+from lmd.kernels import ops, pack_w4a16_panels, pack_w8a16_panels
 
 from . import _turbomind
 
@@ -42,12 +42,14 @@ def _narrowed(t: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), t) else t
 
 
-def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pack_matmuls(tensors: dict[str, torch.Tensor], w8a16_panels: bool = True) -> dict[str, torch.Tensor]:
     """Every float matmul weight [N, K] of ``fuse_weights``' output -> the panels the C++ GEMM
     reads, [ceil(N / 16), K, 16] (``ops.pack_linear``; lib/kernels/csrc/cpu/gemm.h), under the same
     name, in place: each row-major copy is let go as soon as its panels exist; W4A16 ones
     (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``), the
-    scales and mins in float16 where that loses nothing (a quarter fewer bytes per weight). A tied
+    scales and mins in float16 where that loses nothing (a quarter fewer bytes per weight), and
+    W8A16 ones (``<name>.qweight/.scales``, int8, scales [N, K / G]) into theirs (``ops.pack_w8a16``;
+    kept as rows with ``w8a16_panels=False``, for the int8-activation kernel, which reads rows). A tied
     lm_head (the ``embed`` tensor itself) becomes the only copy of the embedding: C++ reads its
     rows out of the panels. The small tensors left (norms, biases) get memory of their own, so
     that none keeps a memory-mapped checkpoint resident once its weights are packed."""
@@ -61,6 +63,11 @@ def pack_matmuls(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if s.dtype != m.dtype:
             s, m = s.float(), m.float()
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = pack_w4a16_panels(q, s, m)
+    w8a16 = [n[:-len('.scales')] for n in tensors if n.endswith('.scales') and tensors[n].dim() == 2
+             and f"{n[:-len('.scales')]}.mins" not in tensors] if w8a16_panels else []
+    for base in w8a16:
+        tensors[f'{base}.qweight'], tensors[f'{base}.scales'] = pack_w8a16_panels(tensors[f'{base}.qweight'],
+                                                                                  tensors[f'{base}.scales'])
     for name in list(tensors):
         w = tensors[name]
         if name.startswith('layers.') and name.endswith(EXPERT_STACKS):  # [E, N, K] -> [E, P, K, 16]
@@ -128,7 +135,7 @@ class TurbomindModel:
         self.block_size = block_size
         self.quant_policy = quant_policy
         self.linear_formats = linear_formats(config, tensors)
-        self.tensors = pack_matmuls(tensors)  # kept: C++ reads their memory
+        self.tensors = pack_matmuls(tensors, w8a16_panels=not int8_activations)  # kept: C++ reads their memory
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,

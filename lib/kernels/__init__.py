@@ -53,6 +53,25 @@ def pack_w4a16_panels(qweight, scales, mins):
     return qp, sp, mp
 
 
+def pack_w8a16_panels(qweight, scales):
+    """(qpanels, spanels): a W8A16 matmul (qweight int8 [N, K], scales [N, K / G]) in the 16-wide
+    panels ``ops.linear_w8a16_packed`` reads (``ops.pack_w8a16``; csrc/cpu/gemm.h), the scales in
+    float16 where that holds every one exactly (GGUF Q8_0's: a sixth fewer bytes per weight)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    half = scales.half()
+    if torch.equal(half.float(), scales.float()):
+        scales = half
+    elif scales.dtype != torch.float32:
+        scales = scales.float()
+    panels = -(-qweight.shape[0] // 16)
+    qp = torch.empty(panels, qweight.shape[1], 16, dtype=torch.int8)
+    sp = torch.empty(panels, scales.shape[1], 16, dtype=scales.dtype)
+    ops.pack_w8a16(*(to_dlpack(t.contiguous()) for t in (qweight, scales, qp, sp)))
+    return qp, sp
+
+
 def release_openmp_threads() -> bool:
     """Let the calling thread's idle OpenMP workers exit (torch's pool, once loaded), so that the
     kernels' team does not share the cores with a second, idle one (see bindings/module.cc)."""

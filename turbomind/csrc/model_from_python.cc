@@ -118,7 +118,7 @@ std::shared_ptr<LlamaModel> model_from_python(const py::dict & cfg, const py::di
         return v;
     };
     // a quantized matmul "<name>.qweight/.scales[/.mins]": W4A16 (mins there; or in panels,
-    // lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]) or W8A8 (int8, scales [N]), with the
+    // lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]; or in panels) or W8A8 (int8, scales [N]), with the
     // group size G = K / scales.size(1) a multiple of 32; "<name>.perm" (the matmul over x[:, perm]) and
     // "<name>_bias" optional
     auto quantized = [&](const std::string & name, int64_t N, int64_t K) {
@@ -142,6 +142,10 @@ std::shared_ptr<LlamaModel> model_from_python(const py::dict & cfg, const py::di
                 const DType st = s.dtype == DType::f16 ? DType::f16 : DType::f32;
                 lw.mins = raw(name + ".mins", st, {P4, groups, 64});
                 lw.scales = raw(sn, st, {P4, groups, 64});
+            } else if (s.ndim == 3) {  // W8A16 in panels 16 wide
+                const int64_t P = (N + 15) / 16;
+                lw.qweight = raw(name + ".qweight", DType::i8, {P, K, 16});
+                lw.scales = raw(sn, s.dtype == DType::f16 ? DType::f16 : DType::f32, {P, groups, 16});
             } else {
                 lw.qweight = raw(name + ".qweight", w4 ? DType::u8 : DType::i8, {N, w4 ? K / 2 : K});
                 if (w4) lw.mins = raw(name + ".mins", DType::f32, {N, groups});

@@ -66,6 +66,8 @@ void apply(const TensorView & x_in, const LinearWeights & w, const TensorView & 
         }
     } else if (w.quantized() && w.qweight.dtype == DType::i8 && w.scales.ndim == 1) {
         cpu::linear_w8a8(x, w.qweight, w.scales, opt(w.bias), y);
+    } else if (w.quantized() && w.qweight.dtype == DType::i8 && w.qweight.ndim == 3) {
+        cpu::linear_w8a16_packed(x, w.qweight, w.scales, opt(w.bias), y);
     } else if (w.quantized() && w.qweight.dtype == DType::i8 && int8_activations) {
         cpu::linear_w8a8_group(x, w.qweight, w.scales, opt(w.bias), y, w.group_size);
     } else if (w.quantized() && w.qweight.dtype == DType::i8) {

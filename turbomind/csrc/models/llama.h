@@ -58,7 +58,8 @@ struct LlamaConfig {
 // dtype, or the same packed in panels [ceil(N / 16), K, 16] (`packed`: what turbomind/model.py
 // hands over); W4A16 (qweight uint8 [N, K/2], scales and mins float32 [N, K/G], or the same
 // in panels 64 wide: int32 [P4, K/8, 64], float32 [P4, K/G, 64]); W8A16
-// (qweight int8 [N, K], scales float32 [N, K/G]); or W8A8 (qweight int8 [N, K], scales
+// (qweight int8 [N, K], scales float32 [N, K/G], or in panels 16 wide: int8 [P, K, 16],
+// float32 or float16 [P, K/G, 16]); or W8A8 (qweight int8 [N, K], scales
 // float32 [N], activations quantized per token); or GGUF blocks as stored, in parts of one block
 // type each (`gguf`); or W4A16 parts (`parts`). G is per matmul: K / scales.size(1). Bias
 // [N]: the model dtype for float weights, float32 for quantized ones; or none.

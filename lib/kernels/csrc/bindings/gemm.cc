@@ -1,5 +1,5 @@
 // The packed matmuls in lmd.kernels.ops (next to the kernels of bindings/ops.cc,
-// with the same conventions): float weights, and W4A16 in the same panels. Layouts and
+// with the same conventions): float weights, and W4A16 and W8A16 in the same panels. Layouts and
 // results: cpu/gemm.h.
 #include <pybind11/pybind11.h>
 
@@ -144,6 +144,64 @@ void linear_w4a8_packed(py::handle x, py::handle qp, py::handle sp, py::handle m
     w4_packed_call(x, qp, sp, mp, bias, y, reference, cpu::linear_w4a8_packed);
 }
 
+// The two W8A16 panel tensors for w[N, K] in groups of G (a multiple of 32).
+void check_w8a16_panels(const TensorView & q, const TensorView & s) {
+    constexpr int64_t W = cpu::kPanelWidth;
+    expect(q.ndim == 3 && q.contiguous() && q.dtype == DType::i8 && q.size(2) == W, "qpanels", q,
+           "must be a contiguous int8 [P, K, 16] tensor (ops.pack_w8a16)");
+    const int64_t K = q.size(1);
+    expect(s.ndim == 3 && s.contiguous() && (s.dtype == DType::f32 || s.dtype == DType::f16) && s.size(0) == q.size(0) &&
+           s.size(2) == W && s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 32 == 0, "spanels", s,
+           "must be a contiguous float32 or float16 [P, K / G, 16] tensor with qpanels' P and G a multiple of 32");
+}
+
+void pack_w8a16(py::handle q_h, py::handle s_h, py::handle qp_h, py::handle sp_h) {
+    const TensorView q = view_of(q_h, "qweight"), s = view_of(s_h, "scales");
+    const TensorView qp = view_of(qp_h, "qpanels"), sp = view_of(sp_h, "spanels");
+    expect(q.ndim == 2 && q.contiguous() && q.dtype == DType::i8, "qweight", q, "must be a contiguous int8 [N, K] tensor");
+    check_w8a16_panels(qp, sp);
+    expect(s.ndim == 2 && s.contiguous() && s.dtype == sp.dtype && s.size(0) == q.size(0) && s.size(1) == sp.size(1),
+           "scales", s, std::string("must be a contiguous [N, K / G] tensor of spanels' dtype, ") + dtype_name(sp.dtype));
+    expect(qp.size(0) == cpu::num_panels(q.size(0)) && qp.size(1) == q.size(1), "qpanels", qp,
+           "must be " + panels_shape(q.size(0), q.size(1)) + " for qweight " + shape_str(q));
+    py::gil_scoped_release release;
+    cpu::pack_w8a16(q, s, qp, sp);
+}
+
+void unpack_w8a16(py::handle qp_h, py::handle sp_h, py::handle q_h, py::handle s_h) {
+    const TensorView qp = view_of(qp_h, "qpanels"), sp = view_of(sp_h, "spanels");
+    const TensorView q = view_of(q_h, "qweight"), s = view_of(s_h, "scales");
+    check_w8a16_panels(qp, sp);
+    expect(q.ndim == 2 && q.contiguous() && q.dtype == DType::i8 && q.size(1) == qp.size(1) &&
+           cpu::num_panels(q.size(0)) == qp.size(0) && s.ndim == 2 && s.contiguous() && s.dtype == sp.dtype &&
+           s.size(0) == q.size(0) && s.size(1) == sp.size(1), "qweight", q,
+           "qweight int8 [N, K] and scales [N, K / G] in spanels' dtype must fit the panels");
+    py::gil_scoped_release release;
+    cpu::unpack_w8a16(qp, sp, q, s);
+}
+
+void linear_w8a16_packed(py::handle x_h, py::handle qp_h, py::handle sp_h, py::handle bias_h, py::handle y_h,
+                         bool reference) {
+    const TensorView x = view_of(x_h, "x"), y = view_of(y_h, "y");
+    const TensorView qp = view_of(qp_h, "qpanels"), sp = view_of(sp_h, "spanels");
+    check_w8a16_panels(qp, sp);
+    expect(x.ndim == 2 && x.stride(1) == 1 && is_float(x.dtype) && x.size(1) == qp.size(1), "x", x,
+           "must be a float [M, K] tensor with unit stride in K, K = " + std::to_string(qp.size(1)));
+    expect(y.ndim == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.dtype == x.dtype &&
+           cpu::num_panels(y.size(1)) == qp.size(0), "y", y,
+           "must be [M, N] with x's M and dtype, unit stride in N and ceil(N / 16) = " + std::to_string(qp.size(0)) +
+           " panels");
+    TensorView bias;
+    const bool has_bias = !bias_h.is_none();
+    if (has_bias) {
+        bias = view_of(bias_h, "bias");
+        expect(bias.ndim == 1 && bias.size(0) == y.size(1) && bias.contiguous() && bias.dtype == DType::f32, "bias",
+               bias, "must be a float32 [N] tensor");
+    }
+    py::gil_scoped_release release;
+    cpu::linear_w8a16_packed(x, qp, sp, has_bias ? &bias : nullptr, y, reference);
+}
+
 }  // namespace
 
 void bind_gemm(py::module_ & ops) {
@@ -163,6 +221,15 @@ void bind_gemm(py::module_ & ops) {
             py::arg("mpanels"), py::arg("bias"), py::arg("y"), py::arg("reference") = false,
             "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w W4A16 in panels: per group, scale * (x . q) + "
             "min * sum(x), accumulated in float32 (cpu/gemm.h).");
+    ops.def("pack_w8a16", &pack_w8a16, py::arg("qweight"), py::arg("scales"), py::arg("qpanels"), py::arg("spanels"),
+            "W8A16 (qweight int8 [N, K], scales float32 or float16 [N, K/G]) into panels 16 wide: qpanels int8 "
+            "[P, K, 16], spanels [P, K/G, 16] in scales' dtype.");
+    ops.def("unpack_w8a16", &unpack_w8a16, py::arg("qpanels"), py::arg("spanels"), py::arg("qweight"),
+            py::arg("scales"), "The W8A16 layout back from its panels.");
+    ops.def("linear_w8a16_packed", &linear_w8a16_packed, py::arg("x"), py::arg("qpanels"), py::arg("spanels"),
+            py::arg("bias"), py::arg("y"), py::arg("reference") = false,
+            "y[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) with w W8A16 in panels: per group, scale * (x . q), "
+            "accumulated in float32 in broadcast form (cpu/gemm.h).");
     ops.def("linear_w4a8_packed", &linear_w4a8_packed, py::arg("x"), py::arg("qpanels"), py::arg("spanels"),
             py::arg("mpanels"), py::arg("bias"), py::arg("y"), py::arg("reference") = false,
             "linear_w4a16_packed with x quantized to int8 per 32 k (as llama.cpp's Q8_1): integer dots per block, "

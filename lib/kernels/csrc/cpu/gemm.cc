@@ -43,10 +43,10 @@ void pack_linear(const TensorView & w, const TensorView & packed) {
         const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
         const int64_t n0 = p0 * W, n1 = std::min(N, p1 * W);
         if (n0 >= n1) return;
-        if (dtype_size(w.dtype) == 4) {
-            pack_t(w.ptr<uint32_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint32_t>() + p0 * K * W);
-        } else {
-            pack_t(w.ptr<uint16_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint16_t>() + p0 * K * W);
+        switch (dtype_size(w.dtype)) {
+            case 4: pack_t(w.ptr<uint32_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint32_t>() + p0 * K * W); break;
+            case 2: pack_t(w.ptr<uint16_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint16_t>() + p0 * K * W); break;
+            default: pack_t(w.ptr<uint8_t>() + n0 * K, n1 - n0, K, W, packed.ptr<uint8_t>() + p0 * K * W); break;
         }
     });
 }
@@ -58,10 +58,10 @@ void unpack_linear(const TensorView & packed, const TensorView & w) {
 
 void packed_row(const TensorView & packed, int64_t n, void * out) {
     const int64_t K = packed.size(1), W = packed.size(2);
-    if (dtype_size(packed.dtype) == 4) {
-        packed_row_t(packed.ptr<uint32_t>(), K, W, n, static_cast<uint32_t *>(out));
-    } else {
-        packed_row_t(packed.ptr<uint16_t>(), K, W, n, static_cast<uint16_t *>(out));
+    switch (dtype_size(packed.dtype)) {
+        case 4: packed_row_t(packed.ptr<uint32_t>(), K, W, n, static_cast<uint32_t *>(out)); break;
+        case 2: packed_row_t(packed.ptr<uint16_t>(), K, W, n, static_cast<uint16_t *>(out)); break;
+        default: packed_row_t(packed.ptr<uint8_t>(), K, W, n, static_cast<uint8_t *>(out)); break;
     }
 }
 
@@ -113,6 +113,36 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
         (wide ? avx512::linear_packed_panels : avx2::linear_packed_panels)(xf, ldx, M, packed, bias, y, p0, p1);
     });
+}
+
+void pack_w8a16(const TensorView & qweight, const TensorView & scales, const TensorView & qpanels,
+                const TensorView & spanels) {
+    pack_linear(qweight, qpanels);
+    pack_linear(scales, spanels);
+}
+
+void unpack_w8a16(const TensorView & qpanels, const TensorView & spanels, const TensorView & qweight,
+                  const TensorView & scales) {
+    unpack_linear(qpanels, qweight);
+    unpack_linear(spanels, scales);
+}
+
+void linear_w8a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                         const TensorView * bias, const TensorView & y, bool reference) {
+    const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+    if (M == 0 || N == 0) return;
+    if (reference || !isa_at_least(Isa::avx2)) {
+        split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
+            ref::linear_w8a16_packed_rows(x, qpanels, spanels, bias, y, p0 * kPanelWidth, std::min(N, p1 * kPanelWidth));
+        });
+        return;
+    }
+    std::vector<float> converted;
+    int64_t ldx = 0;
+    const float * xf = f32_rows(x, converted, ldx);
+    const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w8a16_packed_panels
+                                                  : avx2::linear_w8a16_packed_panels;
+    split_panels(M, N, K, [&](int64_t p0, int64_t p1) { panels(xf, ldx, M, qpanels, spanels, bias, y, p0, p1); });
 }
 
 namespace {

@@ -46,6 +46,19 @@
 // and T, U and y as above. So y = the float product of w and x' = xq dx (Q8_1's sum, as llama.cpp
 // takes it: the exact sum of x would leave the mins' offset uncancelled and double the error),
 // |y - x w| <= sum over k of |w[n, k]| dx / 2.
+//
+// W8A16 packed, for the W8A16 layout of quant.h (qweight int8 [N, K], scales [N, K / G]), in the
+// float panels' 16-wide form (P = ceil(N / 16)):
+//   qpanels: int8 [P, K, 16], qpanels[p, k, j] = q[16 p + j, k] (zero past N)
+//   spanels: float32 or float16 [P, K / G, 16], [p, g, j] = scales[16 p + j, g] (zero past N);
+//            float16 when that holds them exactly (GGUF's Q8_0 blocks)
+// Result, in float32, per group g of G k:
+//   D[m, n, g] = fma(x[m, k], q[n, k], ...) over the group's k in increasing k, from 0
+//   T[m, n]    = fma(scales[n, g], D[m, n, g], ...) over the groups in increasing g, from 0
+//   y[m, n]    = T (+ bias[n]), rounded once to y's dtype.
+// Broadcast form like the others, so the same for any M and thread count; the vector kernels
+// equal the reference bit for bit. (quant.h's linear_w8a16 on the row layout sums in eight
+// lanes per output and adds them at the end: another order, other bits.)
 #pragma once
 
 #include "core/tensor.h"
@@ -57,7 +70,7 @@ constexpr int64_t kW4A16PanelWidth = 64;
 inline int64_t num_panels(int64_t N) { return (N + kPanelWidth - 1) / kPanelWidth; }
 
 // packed[P, K, W] from w[N, K] in panels W = packed.size(2) wide (16; 64 for W4A16's parts):
-// both contiguous, one 16- or 32-bit dtype.
+// both contiguous, one 8-, 16- or 32-bit dtype.
 void pack_linear(const TensorView & w, const TensorView & packed);
 // w[N, K] back from packed[P, K, W] (N <= W P).
 void unpack_linear(const TensorView & packed, const TensorView & w);
@@ -82,6 +95,17 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
                          const TensorView & mpanels, const TensorView * bias, const TensorView & y,
                          bool reference = false);
 
+// The W8A16 panels from qweight int8 [N, K] and scales float32 or float16 [N, K / G]; and back.
+void pack_w8a16(const TensorView & qweight, const TensorView & scales, const TensorView & qpanels,
+                const TensorView & spanels);
+void unpack_w8a16(const TensorView & qpanels, const TensorView & spanels, const TensorView & qweight,
+                  const TensorView & scales);
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w W8A16 in panels (above); G = K / spanels.size(1),
+// a multiple of 32. x, y as for linear_packed; bias float32 [N] or null.
+void linear_w8a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                         const TensorView * bias, const TensorView & y, bool reference = false);
+
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w W4A16 in panels and x quantized per 32 k
 // (W4A8 above); arguments as for linear_w4a16_packed.
 void linear_w4a8_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
@@ -97,6 +121,8 @@ void linear_w4a16_packed_rows(const TensorView & x, const TensorView & qpanels, 
 void linear_w4a8_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
                              const TensorView & mpanels, const TensorView * bias, const TensorView & y, int64_t n0,
                              int64_t n1);
+void linear_w8a16_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                              const TensorView * bias, const TensorView & y, int64_t n0, int64_t n1);
 }  // namespace ref
 
 namespace avx2 {
@@ -121,6 +147,10 @@ void w4a8_prepare_rows(const float * x, int64_t ldx, int64_t K, int64_t G, int64
 void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float * xsum, int64_t M,
                                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
                                const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
+// W8A16 (gemm_w8a16_avx2.cc): x float32 [M, K], row stride ldx; output panels [p0, p1).
+void linear_w8a16_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & qpanels,
+                                const TensorView & spanels, const TensorView * bias, const TensorView & y, int64_t p0,
+                                int64_t p1);
 }  // namespace avx2
 
 // The same panels with AVX-512 (F, BW, VL, DQ; gemm_avx512.cc), from the AVX2 kernels' prepared
@@ -134,6 +164,9 @@ void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M,
 void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float * xsum, int64_t M,
                                const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
                                const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1);
+void linear_w8a16_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & qpanels,
+                                const TensorView & spanels, const TensorView * bias, const TensorView & y, int64_t p0,
+                                int64_t p1);
 }  // namespace avx512
 
 }  // namespace lmd::cpu

@@ -1,4 +1,4 @@
-// AVX-512 kernels of the packed matmuls (gemm.h): the float panels, the W4A16 panels and, with
+// AVX-512 kernels of the packed matmuls (gemm.h): the float, W4A16 and W8A16 panels and, with
 // VNNI, the W4A8 panels. Each gives the AVX2 kernel's and the reference's bits: a panel's 16
 // columns are one zmm register, each lane one output's chains in gemm.h's order, so only the
 // width of the tiles differs (and no tile shape changes a bit). What the wider registers buy:
@@ -403,6 +403,126 @@ void w4a16_typed(const float * xp, const float * xsum, int64_t M, const TensorVi
     }
 }
 
+// ---- W8A16 panels ----------------------------------------------------------------------------------
+
+// The 16 weights of a panel's k-row as floats (exact).
+LMD_AVX512_INLINE __m512 widen_q(const int8_t * p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+}
+
+// qpanels int8 [P, K, 16], spanels ST [P, K / G, 16] (gemm.h's W8A16 panels).
+template <typename ST>
+struct W8Panels {
+    const int8_t * q;
+    const ST * s;
+    int64_t K, G, ng;
+
+    const int8_t * panel(int64_t p) const { return q + p * K * kW; }  // + k kW
+    const ST * scales(int64_t p) const { return s + p * ng * kW; }     // + g kW
+
+    template <int MR, int NP>
+    void tile(const float * x, int64_t ldx, int64_t p, Acc<MR, NP> & out) const {
+        Acc<MR, NP> t = acc_zero<MR, NP>();
+        for (int64_t g = 0; g < ng; ++g) {
+            Acc<MR, NP> d = acc_zero<MR, NP>();
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                __m512 w[NP];
+                for (int i = 0; i < NP; ++i) w[i] = widen_q(panel(p + i) + k * kW);
+                for (int m = 0; m < MR; ++m) {
+                    const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+                    for (int i = 0; i < NP; ++i) d.v[m][i] = _mm512_fmadd_ps(xb, w[i], d.v[m][i]);
+                }
+            }
+            for (int i = 0; i < NP; ++i) {
+                const __m512 sv = load16(scales(p + i) + g * kW);
+                for (int m = 0; m < MR; ++m) t.v[m][i] = _mm512_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
+            }
+        }
+        out = t;
+    }
+
+    void chunk(int64_t p, int64_t k0, int64_t kc, float * buf) const {
+        for (int64_t k = k0; k < k0 + kc; ++k) _mm512_storeu_ps(buf + (k - k0) * kW, widen_q(panel(p) + k * kW));
+    }
+
+    // One MR-row tile of the GEMM over a chunk: D per group from the buffer, T in part; y = T (+ bias).
+    template <int MR, typename YT>
+    void tile_chunk(const float * x, int64_t ldx, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
+                    const float * bias, int64_t cols, YT * y, int64_t ldy) const {
+        for (int64_t kg = k0; kg < k0 + kc; kg += G) {
+            Acc<MR, 1> d = acc_zero<MR, 1>();
+            tile_steps<MR>(x + kg, ldx, buf + (kg - k0) * kW, G, d);
+            const __m512 sv = load16(scales(p) + kg / G * kW);
+            for (int m = 0; m < MR; ++m) {
+                const __m512 t = kg == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + m * kW);
+                _mm512_storeu_ps(part + m * kW, _mm512_fmadd_ps(sv, d.v[m][0], t));
+            }
+        }
+        if (k0 + kc == K) {
+            Acc<MR, 1> acc;
+            for (int m = 0; m < MR; ++m) acc.v[m][0] = _mm512_loadu_ps(part + m * kW);
+            tile_store<MR, 1>(acc, bias, cols, y, ldy);
+        }
+    }
+};
+
+// NP of the W8A16 tiles of M <= 5 rows: one panel (a zmm) a row but for the GEMV, whose eight
+// panels keep eight chains going.
+constexpr int w8_np(int mr) { return mr == 1 ? 8 : 1; }
+
+template <typename ST, typename YT>
+void w8a16_panels(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t M, int64_t N, const float * bias, YT * y,
+                  int64_t ldy, int64_t p0, int64_t p1) {
+    if (M > 5 && M <= 40) {  // a decode step's batch: per panel, its rows in tiles of five (as the AVX2 kernel)
+        for (int64_t p = p0; p < p1; ++p) {
+            const float * b = bias ? bias + p * kW : nullptr;
+            const int64_t cols = std::min<int64_t>(kW, N - p * kW);
+            for (int64_t m = 0; m < M; m += 5) {
+                small_m(std::min<int64_t>(5, M - m), [&](auto mr) {
+                    constexpr int MR = decltype(mr)::value;
+                    Acc<MR, 1> acc;
+                    a.template tile<MR, 1>(x + m * ldx, ldx, p, acc);
+                    tile_store<MR, 1>(acc, b, cols, y + m * ldy + p * kW, ldy);
+                });
+            }
+        }
+        return;
+    }
+    if (M <= 5) {
+        small_m(M, [&](auto mr) {
+            constexpr int MR = decltype(mr)::value;
+            panels_small<MR, w8_np(MR)>(
+                [&](int64_t p, auto & out) { a.template tile<MR, sizeof(out.v[0]) / sizeof(__m512)>(x, ldx, p, out); },
+                N, bias, y, ldy, p0, p1);
+        });
+        return;
+    }
+    const int64_t kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
+    float * buf = scratch(kcs * kW);
+    gemm_blocks<kMR>(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf); },
+                     [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
+                         tile_rows(mr, [&](auto rows) {
+                             a.template tile_chunk<decltype(rows)::value>(
+                                 x + m * ldx, ldx, p, k0, kc, buf, part, bias ? bias + p * kW : nullptr,
+                                 std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
+                         });
+                     });
+}
+
+template <typename ST>
+void w8a16_typed(const float * x, int64_t ldx, int64_t M, const TensorView & qpanels, const TensorView & spanels,
+                 const float * bias, const TensorView & y, int64_t p0, int64_t p1) {
+    const int64_t K = qpanels.size(1), ng = spanels.size(1);
+    const W8Panels<ST> a{qpanels.ptr<int8_t>(), spanels.ptr<ST>(), K, K / ng, ng};
+    const int64_t N = y.size(1), ldy = y.stride(0);
+    switch (y.dtype) {
+        case DType::f32: w8a16_panels(a, x, ldx, M, N, bias, y.ptr<float>(), ldy, p0, p1); break;
+        case DType::bf16: w8a16_panels(a, x, ldx, M, N, bias, y.ptr<bf16>(), ldy, p0, p1); break;
+        case DType::f16: w8a16_panels(a, x, ldx, M, N, bias, y.ptr<f16>(), ldy, p0, p1); break;
+        default: break;
+    }
+}
+
 }  // namespace
 
 void linear_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & packed,
@@ -423,6 +543,17 @@ void linear_w4a16_packed_panels(const float * xp, const float * xsum, int64_t M,
         w4a16_typed<f16>(xp, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
     } else {
         w4a16_typed<float>(xp, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
+    }
+}
+
+void linear_w8a16_packed_panels(const float * x, int64_t ldx, int64_t M, const TensorView & qpanels,
+                                const TensorView & spanels, const TensorView * bias, const TensorView & y, int64_t p0,
+                                int64_t p1) {
+    const float * b = bias ? bias->ptr<float>() : nullptr;
+    if (spanels.dtype == DType::f16) {
+        w8a16_typed<f16>(x, ldx, M, qpanels, spanels, b, y, p0, p1);
+    } else {
+        w8a16_typed<float>(x, ldx, M, qpanels, spanels, b, y, p0, p1);
     }
 }
 

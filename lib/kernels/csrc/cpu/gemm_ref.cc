@@ -106,4 +106,26 @@ void linear_w4a8_packed_rows(const TensorView & x, const TensorView & qpanels, c
     }
 }
 
+void linear_w8a16_packed_rows(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
+                              const TensorView * bias, const TensorView & y, int64_t n0, int64_t n1) {
+    const int64_t M = x.size(0), K = x.size(1), num_groups = spanels.size(1), G = K / num_groups;
+    const int8_t * q = qpanels.ptr<int8_t>();
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = n0; n < n1; ++n) {
+            const int64_t p = n / kPanelWidth, col = n % kPanelWidth;
+            float t = 0.f;
+            for (int64_t g = 0; g < num_groups; ++g) {
+                float d = 0.f;
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    d = std::fma(load_f32(x.data, m * x.stride(0) + k, x.dtype),
+                                 static_cast<float>(q[(p * K + k) * kPanelWidth + col]), d);
+                }
+                t = std::fma(load_f32(spanels.data, (p * num_groups + g) * kPanelWidth + col, spanels.dtype), d, t);
+            }
+            if (bias) t += bias->ptr<float>()[n];
+            store_f32(y.data, m * y.stride(0) + n, y.dtype, t);
+        }
+    }
+}
+
 }  // namespace lmd::cpu::ref
