@@ -79,9 +79,14 @@ def lmd_worker(args) -> dict:
     loop.run_until_complete(run_all(warmup))
     log(f'lmd: {len(prompts)} requests, max_batch_size {args.max_batch_size}, concurrency {concurrency}')
     ranks0 = rank_stats(engine)
+    pool0 = kernel_pool_stats(args.backend)
     cpu0 = cpu_seconds()
     timings, wall = loop.run_until_complete(run_all(prompts))
     result.update(throughput(timings, prompts, wall))
+    pool1 = kernel_pool_stats(args.backend)
+    # the kernels' thread team over the run: regions run, how many ran on their caller alone, the
+    # stalls and cuts of the team (thread_pool.h)
+    result['kernel_pool'] = {k: pool1[k] - pool0[k] for k in ('regions', 'inline_regions', 'stalls', 'shrinks')}
     if ranks0 is not None:
         result['communication'] = communication(ranks0, rank_stats(engine), wall)
     result['cpu_utilization'] = round((cpu_seconds() - cpu0) / wall, 2)
@@ -93,6 +98,16 @@ def lmd_worker(args) -> dict:
     result['peak_rss_mib'] = round(peak_rss_mib(), 1)
     log(f"lmd: {result['wall_s']}s, {result['output_tokens_per_s']} output tok/s")
     return result
+
+
+def kernel_pool_stats(backend: str) -> dict:
+    """The thread pool counters of the extension whose kernels ``backend`` runs: TurboMind links its own
+    copy of the kernel library (``_turbomind``), the PyTorch engine calls ``lmd.kernels``."""
+    if backend == 'turbomind':
+        from lmd.turbomind import _turbomind
+        return _turbomind.thread_pool_stats()
+    from lmd.kernels import _kernels
+    return _kernels.thread_pool_stats()
 
 
 def rank_stats(engine) -> list[dict] | None:
