@@ -61,6 +61,15 @@ void linear_packed(py::handle x_h, py::handle packed_h, py::handle bias_h, py::h
     cpu::linear_packed(x, packed, has_bias ? &bias : nullptr, y, reference);
 }
 
+// The quantized matmuls' bias: none, or float32 [N] for y [M, N] (an empty view when none).
+TensorView f32_bias(py::handle bias_h, const TensorView & y) {
+    if (bias_h.is_none()) return TensorView();
+    const TensorView bias = view_of(bias_h, "bias");
+    expect(bias.ndim == 1 && bias.size(0) == y.size(1) && bias.contiguous() && bias.dtype == DType::f32, "bias", bias,
+           "must be a float32 [N] tensor");
+    return bias;
+}
+
 // The three W4A16 panel tensors for w[N, K] in groups of G (a multiple of 32).
 void check_w4a16_panels(const TensorView & q, const TensorView & s, const TensorView & m) {
     constexpr int64_t W = cpu::kW4A16PanelWidth;
@@ -123,15 +132,9 @@ void w4_packed_call(py::handle x_h, py::handle qp_h, py::handle sp_h, py::handle
            num_w4a16_panels(y.size(1)) == qp.size(0), "y", y,
            "must be [M, N] with x's M and dtype, unit stride in N and ceil(N / 64) = " + std::to_string(qp.size(0)) +
            " panels");
-    TensorView bias;
-    const bool has_bias = !bias_h.is_none();
-    if (has_bias) {
-        bias = view_of(bias_h, "bias");
-        expect(bias.ndim == 1 && bias.size(0) == y.size(1) && bias.contiguous() && bias.dtype == DType::f32, "bias",
-               bias, "must be a float32 [N] tensor");
-    }
+    const TensorView bias = f32_bias(bias_h, y);
     py::gil_scoped_release release;
-    fn(x, qp, sp, mp, has_bias ? &bias : nullptr, y, reference);
+    fn(x, qp, sp, mp, bias.data ? &bias : nullptr, y, reference);
 }
 
 void linear_w4a16_packed(py::handle x, py::handle qp, py::handle sp, py::handle mp, py::handle bias, py::handle y,
@@ -191,15 +194,9 @@ void linear_w8a16_packed(py::handle x_h, py::handle qp_h, py::handle sp_h, py::h
            cpu::num_panels(y.size(1)) == qp.size(0), "y", y,
            "must be [M, N] with x's M and dtype, unit stride in N and ceil(N / 16) = " + std::to_string(qp.size(0)) +
            " panels");
-    TensorView bias;
-    const bool has_bias = !bias_h.is_none();
-    if (has_bias) {
-        bias = view_of(bias_h, "bias");
-        expect(bias.ndim == 1 && bias.size(0) == y.size(1) && bias.contiguous() && bias.dtype == DType::f32, "bias",
-               bias, "must be a float32 [N] tensor");
-    }
+    const TensorView bias = f32_bias(bias_h, y);
     py::gil_scoped_release release;
-    cpu::linear_w8a16_packed(x, qp, sp, has_bias ? &bias : nullptr, y, reference);
+    cpu::linear_w8a16_packed(x, qp, sp, bias.data ? &bias : nullptr, y, reference);
 }
 
 }  // namespace

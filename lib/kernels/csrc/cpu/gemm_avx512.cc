@@ -44,8 +44,10 @@ struct f16 { uint16_t bits; };
 constexpr int64_t kW = kPanelWidth;  // columns of a panel: one zmm
 constexpr int64_t kW4 = kW4A16PanelWidth;
 
-// The helpers below are always inlined: a vector passed or returned between functions of
-// different targets (the W4A8 kernel adds VNNI) does not keep its upper lanes with GCC 12.
+// No vector (nor struct of them) is passed or returned by value between functions that may stay
+// apart: GCC 12 keeps only their low 128 bits there, since a function's target here comes from a
+// pragma and not the command line (seen with the W4A8 kernel's VNNI target, and in the sanitizer's
+// build, which inlines less). Tiles write through references; the helpers below are always inlined.
 #define LMD_AVX512_INLINE __attribute__((always_inline)) inline
 
 LMD_AVX512_INLINE __mmask16 first(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
@@ -122,9 +124,7 @@ constexpr int kMR = 8;
 constexpr int small_np(int mr) { return mr == 1 ? 8 : mr <= 3 ? 4 : 2; }
 
 // Panels [p0, p1) for M <= 5 rows (MR = M) in tiles of NP panels, the rest one at a time;
-// tile(p, acc) sets Acc<MR, np> acc for np panels from p. (It writes through a reference: an
-// Acc<1, 1> returned by value would travel in zmm0, and between functions of different targets
-// (the W4A8 kernel's adds VNNI) GCC 12 passes only its low 128 bits.)
+// tile(p, acc) sets Acc<MR, np> acc for np panels from p (through a reference: see above).
 template <int MR, int NP, typename Tile, typename BT, typename YT>
 void panels_small(Tile && tile, int64_t N, const BT * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
     auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
@@ -256,7 +256,7 @@ struct W4Panels {
 
     // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
     template <int MR, int NP>
-    __attribute__((always_inline)) Acc<MR, NP> mins_sum(int64_t m0, int64_t p) const {
+    __attribute__((always_inline)) void mins_sum(int64_t m0, int64_t p, Acc<MR, NP> & out) const {
         Acc<MR, NP> u = acc_zero<MR, NP>();
         const float * xs = xsum + m0 * ng;
         for (int64_t g = 0; g < ng; ++g) {
@@ -267,7 +267,7 @@ struct W4Panels {
                 for (int i = 0; i < NP; ++i) u.v[m][i] = _mm512_fmadd_ps(mv[i], xb, u.v[m][i]);
             }
         }
-        return u;
+        out = u;
     }
 };
 
@@ -284,9 +284,9 @@ template <typename ST>
 struct W4A16 : W4Panels<ST> {
     const float * xp;
 
-    // An M <= 5 tile over NP panels from p, all of K, the words converted in registers.
+    // An M <= 5 tile over NP panels from p, all of K, the words converted in registers, into out.
     template <int MR, int NP>
-    Acc<MR, NP> tile(int64_t p) const {
+    void tile(int64_t p, Acc<MR, NP> & out) const {
         const int64_t K = this->K, G = this->G;
         const int32_t * wb[NP];
         for (int i = 0; i < NP; ++i) wb[i] = this->words(p + i);
@@ -321,8 +321,7 @@ struct W4A16 : W4Panels<ST> {
             }
         }
         for (int m = 0; m < MR; ++m)
-            for (int i = 0; i < NP; ++i) t.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
-        return t;
+            for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
     }
 
     // qp of panel p, k in [k0, k0 + kc) (multiples of 8), into buf [kc, 16].
@@ -358,25 +357,19 @@ struct W4A16 : W4Panels<ST> {
             }
         }
         if (k0 + kc == K) {
-            Acc<MR, 1> y_acc = this->template mins_sum<MR, 1>(m0, p);
+            Acc<MR, 1> y_acc;
+            this->template mins_sum<MR, 1>(m0, p, y_acc);
             for (int m = 0; m < MR; ++m) y_acc.v[m][0] = _mm512_add_ps(_mm512_loadu_ps(part + m * kW), y_acc.v[m][0]);
             tile_store<MR, 1>(y_acc, bias, cols, y, ldy);
         }
     }
 };
 
-template <typename ST, typename YT>
-void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
-                  int64_t p1) {
-    if (M <= 5) {
-        small_m(M, [&](auto mr) {
-            constexpr int MR = decltype(mr)::value;
-            panels_small<MR, small_np(MR)>(
-                [&](int64_t p, auto & out) { out = a.template tile<MR, sizeof(out.v[0]) / sizeof(__m512)>(p); }, N, bias,
-                y, ldy, p0, p1);
-        });
-        return;
-    }
+// The GEMM of a quantized panel layout A (M >= 6, gemm_blocks): a.chunk(p, k0, kc, buf) converts a
+// chunk of panel p (whole groups) into buf, a.tile_chunk<MR>(m, p, k0, kc, buf, part, ...) runs rows
+// m.. over it.
+template <typename A, typename YT>
+void quant_gemm(const A & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
     const int64_t kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
     float * buf = scratch(kcs * kW);
     gemm_blocks<kMR>(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf); },
@@ -387,6 +380,21 @@ void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias,
                                  std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
                          });
                      });
+}
+
+template <typename ST, typename YT>
+void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
+                  int64_t p1) {
+    if (M <= 5) {
+        small_m(M, [&](auto mr) {
+            constexpr int MR = decltype(mr)::value;
+            panels_small<MR, small_np(MR)>(
+                [&](int64_t p, auto & out) { a.template tile<MR, sizeof(out.v[0]) / sizeof(__m512)>(p, out); }, N, bias,
+                y, ldy, p0, p1);
+        });
+        return;
+    }
+    quant_gemm(a, M, N, bias, y, ldy, p0, p1);
 }
 
 template <typename ST>
@@ -445,20 +453,29 @@ struct W8Panels {
         for (int64_t k = k0; k < k0 + kc; ++k) _mm512_storeu_ps(buf + (k - k0) * kW, widen_q(panel(p) + k * kW));
     }
 
-    // One MR-row tile of the GEMM over a chunk: D per group from the buffer, T in part; y = T (+ bias).
+};
+
+// W8A16 over the rows x (stride ldx): the GEMM's tiles.
+template <typename ST>
+struct W8A16 : W8Panels<ST> {
+    const float * x;
+    int64_t ldx;
+
+    // One MR-row tile from row m0 over a chunk: D per group from the buffer, T in part; y = T (+ bias).
     template <int MR, typename YT>
-    void tile_chunk(const float * x, int64_t ldx, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
+    void tile_chunk(int64_t m0, int64_t p, int64_t k0, int64_t kc, const float * buf, float * part,
                     const float * bias, int64_t cols, YT * y, int64_t ldy) const {
+        const int64_t G = this->G;
         for (int64_t kg = k0; kg < k0 + kc; kg += G) {
             Acc<MR, 1> d = acc_zero<MR, 1>();
-            tile_steps<MR>(x + kg, ldx, buf + (kg - k0) * kW, G, d);
-            const __m512 sv = load16(scales(p) + kg / G * kW);
+            tile_steps<MR>(x + m0 * ldx + kg, ldx, buf + (kg - k0) * kW, G, d);
+            const __m512 sv = load16(this->scales(p) + kg / G * kW);
             for (int m = 0; m < MR; ++m) {
                 const __m512 t = kg == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + m * kW);
                 _mm512_storeu_ps(part + m * kW, _mm512_fmadd_ps(sv, d.v[m][0], t));
             }
         }
-        if (k0 + kc == K) {
+        if (k0 + kc == this->K) {
             Acc<MR, 1> acc;
             for (int m = 0; m < MR; ++m) acc.v[m][0] = _mm512_loadu_ps(part + m * kW);
             tile_store<MR, 1>(acc, bias, cols, y, ldy);
@@ -497,16 +514,7 @@ void w8a16_panels(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t 
         });
         return;
     }
-    const int64_t kcs = std::max<int64_t>(1, kKC / a.G) * a.G;
-    float * buf = scratch(kcs * kW);
-    gemm_blocks<kMR>(M, a.K, kcs, p0, p1, [&](int64_t p, int64_t k0, int64_t kc) { a.chunk(p, k0, kc, buf); },
-                     [&](int64_t m, int mr, int64_t p, int64_t k0, int64_t kc, float * part) {
-                         tile_rows(mr, [&](auto rows) {
-                             a.template tile_chunk<decltype(rows)::value>(
-                                 x + m * ldx, ldx, p, k0, kc, buf, part, bias ? bias + p * kW : nullptr,
-                                 std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
-                         });
-                     });
+    quant_gemm(W8A16<ST>{a, x, ldx}, M, N, bias, y, ldy, p0, p1);
 }
 
 template <typename ST>
@@ -617,7 +625,8 @@ struct W4A8 : W4Panels<ST> {
                 for (int m = 0; m < MR; ++m) t.v[m][i] = _mm512_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
             }
         }
-        const Acc<MR, NP> u = this->template mins_sum<MR, NP>(m0, p);  // a pass of its own, as in AVX2
+        Acc<MR, NP> u;
+        this->template mins_sum<MR, NP>(m0, p, u);  // a pass of its own, as in AVX2
         for (int m = 0; m < MR; ++m)
             for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
     }
