@@ -46,6 +46,20 @@ def test_dispatch_picks_the_best_instruction_set_and_can_be_capped():
         ops.set_isa(old)
 
 
+def test_lmd_cpu_isa_caps_the_level_and_a_bad_value_is_named():
+    import os
+    import subprocess
+    import sys
+
+    def run(value):
+        return subprocess.run([sys.executable, '-c', 'from lmd.kernels import ops; print(ops.isa())'],
+                              capture_output=True, text=True, env={**os.environ, 'LMD_CPU_ISA': value}, check=True)
+    best = ops.supported_isas()[-1]
+    assert run('ref').stdout.strip() == 'ref'
+    bad = run('avx9')
+    assert bad.stdout.strip() == best and 'LMD_CPU_ISA=avx9 is not one of ref, avx2, avx512' in bad.stderr
+
+
 # -- linear --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('dtype', DTYPES)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -47,7 +48,16 @@ std::atomic<int> & level_in_use() {
     static std::atomic<int> level{[] {
         Isa l = detect_isa();
         Isa capped;
-        if (parse_isa(std::getenv("LMD_CPU_ISA"), capped) && capped < l) l = capped;
+        const char * env = std::getenv("LMD_CPU_ISA");
+        if (!parse_isa(env, capped)) {
+            std::fprintf(stderr, "lmd: LMD_CPU_ISA=%s is not one of ref, avx2, avx512: ignored (the kernels run %s)\n",
+                         env, isa_name(l));
+        } else if (capped > l) {
+            std::fprintf(stderr, "lmd: LMD_CPU_ISA=%s is more than this CPU has: the kernels run %s\n", env,
+                         isa_name(l));
+        } else {
+            l = capped;
+        }
         return static_cast<int>(l);
     }()};
     return level;
