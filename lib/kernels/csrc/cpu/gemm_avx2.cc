@@ -48,22 +48,6 @@ struct FloatPanels {
 
 // ---- the two paths ---------------------------------------------------------------------------------
 
-// Panels [p0, p1) for M <= 5 rows: MR = M, NP panels a pass so that the MR x 2 NP
-// accumulators cover the FMA latency; the last, partial panel alone.
-template <int MR, int NP, typename Src, typename BT, typename YT>
-void panels_small(const Src & src, const float * x, int64_t ldx, int64_t N, const BT * bias, YT * y, int64_t ldy,
-                  int64_t p0, int64_t p1) {
-    auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
-    int64_t p = p0;
-    for (; p + NP <= p1 && (p + NP) * kW <= N; p += NP) {
-        tile_store<MR, NP>(src.template tile<MR, NP>(x, ldx, p), bias_at(p), NP * kW, y + p * kW, ldy);
-    }
-    for (; p < p1; ++p) {
-        tile_store<MR, 1>(src.template tile<MR, 1>(x, ldx, p), bias_at(p), std::min<int64_t>(kW, N - p * kW),
-                          y + p * kW, ldy);
-    }
-}
-
 // One kc-long step of a 1-panel tile of the GEMM: the partial sums of earlier steps come
 // from and go back to part[MR, 16] (float32), the last step adds the bias and writes y.
 template <int MR, typename BT, typename YT>
@@ -110,9 +94,6 @@ void panels_gemm(const Src & src, const float * x, int64_t ldx, int64_t M, int64
                                  y + m * ldy + p * kW, ldy);
                 });
 }
-
-// NP of the M <= 5 tiles: 8 to 12 accumulators cover the FMA latency.
-constexpr int small_np(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 
 template <typename Src, typename BT, typename YT>
 void panels(const Src & src, const float * x, int64_t ldx, int64_t M, int64_t K, int64_t N, const BT * bias, YT * y,

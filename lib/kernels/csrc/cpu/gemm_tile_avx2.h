@@ -10,6 +10,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "cpu/gemm.h"
 #include "cpu/gemm_blocks.h"
 #include "cpu/simd_avx2.h"
@@ -81,6 +83,26 @@ inline void tile_store(const Acc<MR, NP> & acc, const BT * bias, int64_t cols, Y
             }
             for (int64_t c = 0; c < cols; ++c) store1(row + c, t[c]);
         }
+    }
+}
+
+// NP of the M <= 5 tiles: 8 to 12 accumulators cover the FMA latency.
+constexpr int small_np(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
+
+// Panels [p0, p1) for M <= 5 rows of a source whose tile<MR, NP>(x, ldx, p) converts its weights in
+// registers (the float and W8A16 panels): MR = M, NP panels a pass so that the MR x 2 NP
+// accumulators cover the FMA latency; the last, partial panel alone.
+template <int MR, int NP, typename Src, typename BT, typename YT>
+void panels_small(const Src & src, const float * x, int64_t ldx, int64_t N, const BT * bias, YT * y, int64_t ldy,
+                  int64_t p0, int64_t p1) {
+    auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
+    int64_t p = p0;
+    for (; p + NP <= p1 && (p + NP) * kW <= N; p += NP) {
+        tile_store<MR, NP>(src.template tile<MR, NP>(x, ldx, p), bias_at(p), NP * kW, y + p * kW, ldy);
+    }
+    for (; p < p1; ++p) {
+        tile_store<MR, 1>(src.template tile<MR, 1>(x, ldx, p), bias_at(p), std::min<int64_t>(kW, N - p * kW),
+                          y + p * kW, ldy);
     }
 }
 

@@ -114,8 +114,7 @@ struct W4A16 : W4Panels<ST> {
     }
 };
 
-// NP of the M <= 5 tiles: MR x 2 NP chains of D, 8 to 12, cover the FMA latency.
-constexpr int small_np(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
+// (NP of its M <= 5 tiles: small_np, gemm_tile_avx2.h: MR x 2 NP chains of D, 8 to 12.)
 
 template <int MR, typename ST, typename YT>
 void panels_small(const W4A16<ST> & a, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {

@@ -105,24 +105,6 @@ struct W8Panels {
     }
 };
 
-// NP of the M <= 5 tiles: 8 to 12 chains of D.
-constexpr int small_np(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
-
-template <int MR, typename ST, typename YT>
-void panels_small(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t N, const float * bias, YT * y,
-                  int64_t ldy, int64_t p0, int64_t p1) {
-    constexpr int NP = small_np(MR);
-    auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
-    int64_t p = p0;
-    for (; p + NP <= p1 && (p + NP) * kW <= N; p += NP) {
-        tile_store<MR, NP>(a.template tile<MR, NP>(x, ldx, p), bias_at(p), NP * kW, y + p * kW, ldy);
-    }
-    for (; p < p1; ++p) {
-        tile_store<MR, 1>(a.template tile<MR, 1>(x, ldx, p), bias_at(p), std::min<int64_t>(kW, N - p * kW),
-                          y + p * kW, ldy);
-    }
-}
-
 template <typename ST, typename YT>
 void panels_gemm(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t M, int64_t N, const float * bias, YT * y,
                  int64_t ldy, int64_t p0, int64_t p1) {
@@ -176,11 +158,11 @@ void panels(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t M, int
             int64_t ldy, int64_t p0, int64_t p1) {
     if (M > 5 && M <= kRowTilesMax) return panels_rows(a, x, ldx, M, N, bias, y, ldy, p0, p1);
     switch (M) {
-        case 1: panels_small<1>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
-        case 2: panels_small<2>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
-        case 3: panels_small<3>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
-        case 4: panels_small<4>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
-        case 5: panels_small<5>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
+        case 1: panels_small<1, small_np(1)>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
+        case 2: panels_small<2, small_np(2)>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
+        case 3: panels_small<3, small_np(3)>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
+        case 4: panels_small<4, small_np(4)>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
+        case 5: panels_small<5, small_np(5)>(a, x, ldx, N, bias, y, ldy, p0, p1); break;
         default: panels_gemm(a, x, ldx, M, N, bias, y, ldy, p0, p1); break;
     }
 }
