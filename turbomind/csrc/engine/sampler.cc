@@ -6,6 +6,9 @@
 #include <limits>
 #include <numeric>
 
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+
 namespace turbomind {
 
 namespace {
@@ -368,6 +371,12 @@ double Sampler::seeded_uniform(uint64_t seed, uint64_t num_generated) {
     return uniform_of(mix64(mix64(seed) + (num_generated + 1) * kGolden));
 }
 
+// Threads for rows of a step's logits: the kernels' pool (cpu/parallel.h), never OpenMP's, whose
+// workers spin after each region on the cores the kernels' threads run on; one below ~32k logits.
+static int row_threads(int64_t rows, int64_t vocab) {
+    return rows > 1 && rows * vocab >= (1 << 15) ? lmd::cpu::num_threads() : 1;
+}
+
 void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
                      const SamplingState * const * states, int32_t * token_ids,
                      std::vector<std::vector<TokenLogprob>> * logprobs, const int32_t * const * bitmasks) {
@@ -379,12 +388,7 @@ void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t
         u[i] = s.params.has_seed ? seeded_uniform(s.params.random_seed, (uint64_t) s.num_generated) : next_uniform();
     }
     if (logprobs) logprobs->assign(batch, {});
-    const bool parallel = batch > 1 && batch * vocab >= (1 << 15);
-    (void) parallel;
-#if defined(LMD_WITH_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (parallel)
-#endif
-    for (int64_t i = 0; i < batch; ++i) {
+    lmd::cpu::parallel_pieces(row_threads(batch, vocab), batch, [&](int64_t i, int) {
         RowScratch & sc = row_scratch();
         const float * raw = logits + i * row_stride;
         const SamplingState & s = *states[i];
@@ -392,19 +396,14 @@ void Sampler::sample(const float * logits, int64_t batch, int64_t vocab, int64_t
         if (logprobs && s.params.logprobs >= 0) {
             row_logprobs(raw, vocab, token_ids[i], s.params.logprobs, sc, (*logprobs)[i]);
         }
-    }
+    });
 }
 
 void Sampler::token_logprobs(const float * logits, int64_t n, int64_t vocab, int64_t row_stride,
                              const int32_t * tokens, int64_t k, std::vector<TokenLogprob> * out) {
-    const bool parallel = n > 1 && n * vocab >= (1 << 15);
-    (void) parallel;
-#if defined(LMD_WITH_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (parallel)
-#endif
-    for (int64_t i = 0; i < n; ++i) {
+    lmd::cpu::parallel_pieces(row_threads(n, vocab), n, [&](int64_t i, int) {
         row_logprobs(logits + i * row_stride, vocab, tokens[i], k, row_scratch(), out[i]);
-    }
+    });
 }
 
 void Sampler::process_logits(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,

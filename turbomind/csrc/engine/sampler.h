@@ -96,7 +96,7 @@ public:
     // states[i] for row i. Writes token_ids[batch]. logprobs (may be null) is resized to batch;
     // row i is filled when states[i]->params.logprobs >= 0, else left empty. bitmasks (may be
     // null): per row, null or its structured-output bitmask (apply_token_bitmask), applied after
-    // penalties and masks. Rows run in parallel (OpenMP) when the batch is big enough. Not
+    // penalties and masks. Rows run in parallel (on the kernels' thread pool) when the batch is big enough. Not
     // thread-safe (the engine thread owns it).
     void sample(const float * logits, int64_t batch, int64_t vocab, int64_t row_stride,
                 const SamplingState * const * states, int32_t * token_ids,
@@ -104,7 +104,7 @@ public:
 
     // Logprobs of given tokens: out[i] = {tokens[i]'s, then the k best alternatives (tokens[i] not
     // repeated)}, log_softmax of the raw row i (at logits + i * row_stride), the arithmetic of the
-    // sampled tokens' logprobs. The engine's prompt logprobs; rows run in parallel (OpenMP).
+    // sampled tokens' logprobs. The engine's prompt logprobs; rows run in parallel (the kernels' pool).
     static void token_logprobs(const float * logits, int64_t n, int64_t vocab, int64_t row_stride,
                                const int32_t * tokens, int64_t k, std::vector<TokenLogprob> * out);
 
