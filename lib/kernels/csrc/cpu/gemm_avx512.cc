@@ -1,5 +1,5 @@
-// AVX-512 kernels of the packed matmuls (gemm.h): the float, W4A16 and W8A16 panels and, with
-// VNNI, the W4A8 panels. Each gives the AVX2 kernel's and the reference's bits: a panel's 16
+// AVX-512 kernels of the packed matmuls (gemm.h): the float, W4A16 and W8A16 panels (the W4A8
+// panels with VNNI: gemm_w4a8_avx512.cc; their shared tile: gemm_tile_avx512.h). Each gives the AVX2 kernel's and the reference's bits: a panel's 16
 // columns are one zmm register, each lane one output's chains in gemm.h's order, so only the
 // width of the tiles differs (and no tile shape changes a bit). What the wider registers buy:
 // half the instructions per weight (the W4 kernels convert or multiply 16 columns at a time),
@@ -33,140 +33,16 @@ float * scratch(int64_t n) {
 
 }  // namespace
 
+}  // namespace lmd::cpu::avx512
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 
+#include "cpu/gemm_tile_avx512.h"
+
+namespace lmd::cpu::avx512 {
+
 namespace {
-
-struct bf16 { uint16_t bits; };
-struct f16 { uint16_t bits; };
-
-constexpr int64_t kW = kPanelWidth;  // columns of a panel: one zmm
-constexpr int64_t kW4 = kW4A16PanelWidth;
-
-// No vector (nor struct of them) is passed or returned by value between functions that may stay
-// apart: GCC 12 keeps only their low 128 bits there, since a function's target here comes from a
-// pragma and not the command line (seen with the W4A8 kernel's VNNI target, and in the sanitizer's
-// build, which inlines less). Tiles write through references; the helpers below are always inlined.
-#define LMD_AVX512_INLINE __attribute__((always_inline)) inline
-
-LMD_AVX512_INLINE __mmask16 first(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
-// Sixteen consecutive elements as float32 (the first n; the rest 0).
-LMD_AVX512_INLINE __m512 load16(const float * p, int64_t n = 16) { return _mm512_maskz_loadu_ps(first(n), p); }
-LMD_AVX512_INLINE __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-LMD_AVX512_INLINE __m512 load16(const bf16 * p, int64_t n = 16) { return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p)); }
-LMD_AVX512_INLINE __m512 load16(const f16 * p, int64_t n = 16) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p)); }
-
-// The first n of sixteen float32 lanes rounded to the destination's dtype: bfloat16 to nearest
-// even with NaN kept quiet, float16 to nearest (simd_avx2.h's store8, sixteen wide).
-LMD_AVX512_INLINE void store16(float * p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
-LMD_AVX512_INLINE void store16(bf16 * p, __m512 v, int64_t n) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet);
-    _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtepi32_epi16(r));  // every lane < 2^16: exact
-}
-LMD_AVX512_INLINE void store16(f16 * p, __m512 v, int64_t n) {
-    _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
-LMD_AVX512_INLINE __m512i load_words(const int32_t * p) { return _mm512_loadu_si512(p); }
-
-// The accumulators of an MR-row by NP-panel tile (copied into locals by the loops, as in
-// gemm_tile_avx2.h, so that they stay in registers).
-template <int MR, int NP>
-struct Acc {
-    __m512 v[MR][NP];
-};
-
-template <int MR, int NP>
-__attribute__((always_inline)) inline Acc<MR, NP> acc_zero() {
-    Acc<MR, NP> a;
-    for (int m = 0; m < MR; ++m)
-        for (int i = 0; i < NP; ++i) a.v[m][i] = _mm512_setzero_ps();
-    return a;
-}
-
-// y[m, c] = acc (+ bias[c]) for the `cols` valid columns of each panel's 16 (NP panels in a row).
-template <int MR, int NP, typename BT, typename YT>
-inline void tile_store(const Acc<MR, NP> & acc, const BT * bias, int64_t cols, YT * y, int64_t ldy) {
-    for (int i = 0; i < NP; ++i) {
-        const int64_t n = std::min<int64_t>(kW, cols - i * kW);
-        const __m512 b = bias ? load16(bias + i * kW, n) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; ++m) {
-            store16(y + m * ldy + i * kW, bias ? _mm512_add_ps(acc.v[m][i], b) : acc.v[m][i], n);
-        }
-    }
-}
-
-// acc += x[0..MR) · w over kc steps of k; w: one panel at its first k (16 elements a k).
-template <int MR, typename WT>
-__attribute__((always_inline)) inline void tile_steps(const float * x, int64_t ldx, const WT * w, int64_t kc,
-                                                      Acc<MR, 1> & acc_io) {
-    Acc<MR, 1> acc = acc_io;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < kc; ++k) {
-        const __m512 wv = load16(w + k * kW);
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) acc.v[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, acc.v[m][0]);
-    }
-    acc_io = acc;
-}
-
-// Rows of the GEMM tile: 8 x 16 keeps 8 independent chains, enough for two 512-bit FMA units
-// of 4 cycles' latency, and the row tail in few shapes.
-constexpr int kMR = 8;
-
-// NP of the M <= 5 tiles: 8 to 12 accumulators.
-constexpr int small_np(int mr) { return mr == 1 ? 8 : mr <= 3 ? 4 : 2; }
-
-// Panels [p0, p1) for M <= 5 rows (MR = M) in tiles of NP panels, the rest one at a time;
-// tile(p, acc) sets Acc<MR, np> acc for np panels from p (through a reference: see above).
-template <int MR, int NP, typename Tile, typename BT, typename YT>
-void panels_small(Tile && tile, int64_t N, const BT * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
-    auto bias_at = [&](int64_t p) { return bias ? bias + p * kW : nullptr; };
-    int64_t p = p0;
-    for (; p + NP <= p1 && (p + NP) * kW <= N; p += NP) {
-        Acc<MR, NP> acc;
-        tile(p, acc);
-        tile_store<MR, NP>(acc, bias_at(p), NP * kW, y + p * kW, ldy);
-    }
-    for (; p < p1; ++p) {
-        Acc<MR, 1> acc;
-        tile(p, acc);
-        tile_store<MR, 1>(acc, bias_at(p), std::min<int64_t>(kW, N - p * kW), y + p * kW, ldy);
-    }
-}
-
-// run<MR>() for MR = M in 1..5.
-template <typename Run>
-void small_m(int64_t M, Run && run) {
-    switch (M) {
-        case 1: run(std::integral_constant<int, 1>()); break;
-        case 2: run(std::integral_constant<int, 2>()); break;
-        case 3: run(std::integral_constant<int, 3>()); break;
-        case 4: run(std::integral_constant<int, 4>()); break;
-        default: run(std::integral_constant<int, 5>()); break;
-    }
-}
-
-// run<MR>() for MR = mr in 1..kMR.
-template <typename Run>
-void tile_rows(int mr, Run && run) {
-    switch (mr) {
-        case 8: run(std::integral_constant<int, 8>()); break;
-        case 7: run(std::integral_constant<int, 7>()); break;
-        case 6: run(std::integral_constant<int, 6>()); break;
-        case 5: run(std::integral_constant<int, 5>()); break;
-        case 4: run(std::integral_constant<int, 4>()); break;
-        case 3: run(std::integral_constant<int, 3>()); break;
-        case 2: run(std::integral_constant<int, 2>()); break;
-        default: run(std::integral_constant<int, 1>()); break;
-    }
-}
 
 // ---- float panels ----------------------------------------------------------------------------------
 
@@ -237,39 +113,6 @@ void float_panels_y(const float * x, int64_t ldx, int64_t M, const TensorView & 
         default: break;
     }
 }
-
-// ---- W4 panels -------------------------------------------------------------------------------------
-
-// The W4A16 panels (gemm.h) with their scales and mins in ST, and X [M, K / G]: the 16-column
-// panel p is columns 16 (p mod 4).. of 64-wide panel p / 4.
-template <typename ST>
-struct W4Panels {
-    const int32_t * q;
-    const ST * s;
-    const ST * mn;
-    int64_t K, G, ng;
-    const float * xsum;
-
-    const int32_t * words(int64_t p) const { return q + p / 4 * (K / 8) * kW4 + p % 4 * kW; }  // + c kW4
-    const ST * scales(int64_t p) const { return s + p / 4 * ng * kW4 + p % 4 * kW; }            // + g kW4
-    const ST * mins(int64_t p) const { return mn + p / 4 * ng * kW4 + p % 4 * kW; }
-
-    // U, the fma chain of mins · X over the groups, for rows m0.. (MR) and panels p.. (NP).
-    template <int MR, int NP>
-    __attribute__((always_inline)) void mins_sum(int64_t m0, int64_t p, Acc<MR, NP> & out) const {
-        Acc<MR, NP> u = acc_zero<MR, NP>();
-        const float * xs = xsum + m0 * ng;
-        for (int64_t g = 0; g < ng; ++g) {
-            __m512 mv[NP];
-            for (int i = 0; i < NP; ++i) mv[i] = load16(mins(p + i) + g * kW4);
-            for (int m = 0; m < MR; ++m) {
-                const __m512 xb = _mm512_set1_ps(xs[m * ng + g]);
-                for (int i = 0; i < NP; ++i) u.v[m][i] = _mm512_fmadd_ps(mv[i], xb, u.v[m][i]);
-            }
-        }
-        out = u;
-    }
-};
 
 // qp of nibble J of each word: q 2^(4 J) by an AND in place (J < 7); nibble 7 shifted down, as
 // masking it in place would set the sign bit.
@@ -565,147 +408,8 @@ void linear_w8a16_packed_panels(const float * x, int64_t ldx, int64_t M, const T
     }
 }
 
-// ---- W4A8 with VNNI --------------------------------------------------------------------------------
-
-#pragma GCC push_options
-#pragma GCC target("avx512vnni")
-
-namespace {
-
-// The W4A16 panels times xq [M, K] (each 8 k in the order 0 2 4 6 1 3 5 7) and dx [M, K / 32]
-// (gemm.h's W4A8). A word's low nibbles (AND 0x0F) are its columns' k = 0, 2, 4, 6 and the high
-// ones (a 16-bit shift by 4, then the AND) k = 1, 3, 5, 7, so VPDPBUSD of each with one
-// broadcast word of x adds a column's four products to its int32 lane: the exact I of gemm.h.
-template <typename ST>
-struct W4A8 : W4Panels<ST> {
-    const int8_t * xq;
-    const float * dx;
-
-    template <int MR, int NP, int GC>
-    void tile(int64_t m0, int64_t p, Acc<MR, NP> & out) const {
-        const int64_t K = this->K, g_size = GC ? GC : this->G, nb = K / 32;
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        const int8_t * xr = xq + m0 * K;
-        const float * dr = dx + m0 * nb;
-        const int32_t * wb[NP];
-        for (int i = 0; i < NP; ++i) wb[i] = this->words(p + i);
-        Acc<MR, NP> t = acc_zero<MR, NP>();
-        for (int64_t g = 0; g < this->ng; ++g) {
-            Acc<MR, NP> d = acc_zero<MR, NP>();
-            for (int64_t b = g * g_size / 32; b < (g + 1) * g_size / 32; ++b) {
-                __m512i acc[MR][NP];
-                for (int m = 0; m < MR; ++m)
-                    for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-                    __m512i lo[NP], hi[NP];
-                    for (int i = 0; i < NP; ++i) {
-                        const __m512i v = load_words(wb[i] + c * kW4);
-                        lo[i] = _mm512_and_si512(v, low);
-                        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                    }
-                    for (int m = 0; m < MR; ++m) {
-                        int32_t xl, xh;
-                        std::memcpy(&xl, xr + m * K + 8 * c, 4);
-                        std::memcpy(&xh, xr + m * K + 8 * c + 4, 4);
-                        const __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
-                        for (int i = 0; i < NP; ++i) {
-                            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], lo[i], bl);
-                            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], hi[i], bh);
-                        }
-                    }
-                }
-                for (int m = 0; m < MR; ++m) {
-                    const __m512 db = _mm512_set1_ps(dr[m * nb + b]);
-                    for (int i = 0; i < NP; ++i) d.v[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][i]), db, d.v[m][i]);
-                }
-            }
-            for (int i = 0; i < NP; ++i) {
-                const __m512 sv = load16(this->scales(p + i) + g * kW4);
-                for (int m = 0; m < MR; ++m) t.v[m][i] = _mm512_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
-            }
-        }
-        Acc<MR, NP> u;
-        this->template mins_sum<MR, NP>(m0, p, u);  // a pass of its own, as in AVX2
-        for (int m = 0; m < MR; ++m)
-            for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
-    }
-};
-
-// Rows [m0, m0 + MR) by panels [p0, p1): NP-panel tiles, the rest one at a time.
-template <int MR, int NP, int GC, typename ST, typename YT>
-void w4a8_rows(const W4A8<ST> & a, int64_t m0, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
-               int64_t p1) {
-    panels_small<MR, NP>(
-        [&](int64_t p, auto & out) { a.template tile<MR, sizeof(out.v[0]) / sizeof(__m512), GC>(m0, p, out); }, N, bias,
-        y + m0 * ldy, ldy, p0, p1);
-}
-
-// One row: four panels a tile. More: tiles of 4 rows by 2 panels (the rest in one smaller tile),
-// in blocks of 32 rows that stay in L1 / L2 while this thread's panels pass.
-template <int GC, typename ST, typename YT>
-void w4a8_panels(const W4A8<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
-                 int64_t p1) {
-    if (M == 1) return w4a8_rows<1, 4, GC>(a, 0, N, bias, y, ldy, p0, p1);
-    constexpr int64_t kRowBlock = 32;
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-        const int64_t me = std::min(M, mb + kRowBlock);
-        for (int64_t p = p0; p < p1; p += 2) {
-            const int64_t pe = std::min(p1, p + 2);
-            int64_t m = mb;
-            for (; m + 4 <= me; m += 4) w4a8_rows<4, 2, GC>(a, m, N, bias, y, ldy, p, pe);
-            switch (me - m) {
-                case 3: w4a8_rows<3, 2, GC>(a, m, N, bias, y, ldy, p, pe); break;
-                case 2: w4a8_rows<2, 2, GC>(a, m, N, bias, y, ldy, p, pe); break;
-                case 1: w4a8_rows<1, 2, GC>(a, m, N, bias, y, ldy, p, pe); break;
-                default: break;
-            }
-        }
-    }
-}
-
-template <typename ST, typename YT>
-void w4a8_panels_g(const W4A8<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
-                   int64_t p1) {
-    switch (a.G) {
-        case 32: w4a8_panels<32>(a, M, N, bias, y, ldy, p0, p1); break;
-        case 128: w4a8_panels<128>(a, M, N, bias, y, ldy, p0, p1); break;
-        default: w4a8_panels<0>(a, M, N, bias, y, ldy, p0, p1); break;
-    }
-}
-
-template <typename ST>
-void w4a8_typed(const int8_t * xq, const float * dx, const float * xsum, int64_t M, const TensorView & qpanels,
-                const TensorView & spanels, const TensorView & mpanels, const float * bias, const TensorView & y,
-                int64_t p0, int64_t p1) {
-    const int64_t K = qpanels.size(1) * 8, ng = spanels.size(1);
-    const W4A8<ST> a{{qpanels.ptr<int32_t>(), spanels.ptr<ST>(), mpanels.ptr<ST>(), K, K / ng, ng, xsum}, xq, dx};
-    const int64_t N = y.size(1), ldy = y.stride(0);
-    switch (y.dtype) {
-        case DType::f32: w4a8_panels_g(a, M, N, bias, y.ptr<float>(), ldy, p0, p1); break;
-        case DType::bf16: w4a8_panels_g(a, M, N, bias, y.ptr<bf16>(), ldy, p0, p1); break;
-        case DType::f16: w4a8_panels_g(a, M, N, bias, y.ptr<f16>(), ldy, p0, p1); break;
-        default: break;
-    }
-}
-
-}  // namespace
-
-void linear_w4a8_packed_panels(const int8_t * xq, const float * dx, const float * xsum, int64_t M,
-                               const TensorView & qpanels, const TensorView & spanels, const TensorView & mpanels,
-                               const TensorView * bias, const TensorView & y, int64_t p0, int64_t p1) {
-    const float * b = bias ? bias->ptr<float>() : nullptr;
-    if (spanels.dtype == DType::f16) {
-        w4a8_typed<f16>(xq, dx, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
-    } else {
-        w4a8_typed<float>(xq, dx, xsum, M, qpanels, spanels, mpanels, b, y, p0, p1);
-    }
-}
-
-#pragma GCC pop_options  // avx512vnni
-
 #undef LMD_AVX512_INLINE
 
-#pragma GCC pop_options  // avx512
-
 }  // namespace lmd::cpu::avx512
+
+#pragma GCC pop_options
