@@ -28,7 +28,8 @@ def load_model_weights(model_dir: str, mc: ModelConfig, model_format: str | None
     where = os.path.join(model_dir, '')
     if fmt not in QUANTIZED_FORMATS:
         weights = load_weights(model_dir, dtype)
-        quantized = gguf_matmuls(model_dir, mc) if fmt == 'gguf' else {}
+        # DeepSeek-V2's model runs float weights only (models/deepseek.py): its GGUF matmuls dequantized
+        quantized = gguf_matmuls(model_dir, mc) if fmt == 'gguf' and mc.mla is None else {}
         for name in quantized:
             weights.pop(name, None)  # the dequantized copy
         return weights, quantized, 'gguf' if quantized else 'hf'

@@ -273,7 +273,8 @@ def test_w8a16_pack_layout_and_round_trip(scale_dtype):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128)])
+@pytest.mark.parametrize('N,K,G', [(1, 32, 32), (7, 64, 32), (70, 576, 32), (33, 1536, 64), (100, 384, 128),
+                                   (40, 512, 16)])
 @pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 40, 41, 70])
 @pytest.mark.parametrize('scale_dtype', [torch.float32, torch.float16])
 def test_w8a16_packed_equals_reference(M, N, K, G, dtype, scale_dtype, kernel_isa):

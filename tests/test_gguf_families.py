@@ -105,7 +105,7 @@ def test_logits_match_hf_past_the_window_and_the_original_context(phi3, engine):
         tensors, fmt = load_fused(model_dir, config, torch.float32)
         assert fmt == 'gguf'
         model = TurbomindModel.from_fused(config, tensors, torch.float32, 64, BLOCK_SIZE, session_len=128)
-        assert model.linear_formats['layers.0.qkv'] == 'gguf'  # the Q8_0 blocks as stored
+        assert model.linear_formats['layers.0.qkv'] == 'w8a16'  # the Q8_0 blocks as W8A16 panels, exactly
         got = tm_chunked(model, toks, [7, 4])
     else:
         from lmd.model_loader import load_weights

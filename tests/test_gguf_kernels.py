@@ -129,6 +129,25 @@ def test_q4_k_maps_onto_the_w4a16_layout_bit_for_bit():
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros too
 
 
+@pytest.mark.parametrize('type_name', TYPES)
+def test_types_without_mins_map_onto_w8a16_bit_for_bit(type_name):
+    """Both engines run Q5_0 / Q8_0 / Q6_K matmuls on the W8A16 panels (gguf_to_w8a16): codes less the
+    offset times one scale a group of 32 (16 for Q6_K), the same weights to the sign of a zero."""
+    from lmd.kernels import gguf_to_w8a16
+    from lmd.weights.quant_layouts import dequantize_w8a16
+    type_id, k = ops.GGUF_TYPES[type_name][0], k_for(type_name)
+    raw = random_blocks(type_name, 21, k, seed=6)
+    if ops.gguf_w8a16_group(type_id) == 0:  # float mins: no W8A16 form, refused by name
+        assert type_name in ('Q4_1', 'Q5_1', 'Q4_K', 'Q5_K')
+        with pytest.raises(ValueError, match=f'type {type_id} has float mins'):
+            gguf_to_w8a16(raw, type_id)
+        return
+    qweight, scales = gguf_to_w8a16(raw, type_id)
+    assert scales.shape == (21, k // (16 if type_name == 'Q6_K' else 32))
+    got = dequantize_w8a16(qweight, scales)
+    assert torch.equal(got.view(torch.int32), gguf_reference(type_name, raw, k).view(torch.int32))
+
+
 def test_a_strided_output_is_written_in_place():
     """TurboMind writes a fused matmul's parts (one per GGUF type) into column ranges of one y."""
     raw = random_blocks('Q4_K', 8, 256, seed=12)

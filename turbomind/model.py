@@ -20,6 +20,7 @@ from torch.utils.dlpack import to_dlpack
 from lmd.model_config import ModelConfig
 from lmd.weights.dtype import DTYPE_NAMES
 from lmd.weights.moe import EXPERT_STACKS, MOE_MATMULS
+from lmd.weights.quant_layouts import gguf_as_w8a16
 from lmd.weights.rope import build_cos_sin_cache
 from lmd.weights.schema import MATMUL_SUFFIXES, fuse_weights, linear_formats
 
@@ -49,7 +50,9 @@ def pack_matmuls(tensors: dict[str, torch.Tensor], w8a16_panels: bool = True) ->
     (``<name>.qweight/.scales/.mins``) likewise into their panels (``ops.pack_w4a16``), the
     scales and mins in float16 where that loses nothing (a quarter fewer bytes per weight), and
     W8A16 ones (``<name>.qweight/.scales``, int8, scales [N, K / G]) into theirs (``ops.pack_w8a16``;
-    kept as rows with ``w8a16_panels=False``, for the int8-activation kernel, which reads rows). A tied
+    kept as rows with ``w8a16_panels=False``, for the int8-activation kernel, which reads rows), and with
+    them GGUF blocks whose types have a W8A16 form (``gguf_as_w8a16``: Q5_0, Q8_0, Q6_K; the other
+    types, and all under int8 activations, stay blocks for ``ops.linear_gguf``). A tied
     lm_head (the ``embed`` tensor itself) becomes the only copy of the embedding: C++ reads its
     rows out of the panels. The small tensors left (norms, biases) get memory of their own, so
     that none keeps a memory-mapped checkpoint resident once its weights are packed."""
@@ -63,6 +66,14 @@ def pack_matmuls(tensors: dict[str, torch.Tensor], w8a16_panels: bool = True) ->
         if s.dtype != m.dtype:
             s, m = s.float(), m.float()
         tensors[f'{base}.qweight'], tensors[f'{base}.scales'], tensors[f'{base}.mins'] = pack_w4a16_panels(q, s, m)
+    for base in [n[:-len('.gguf_types')] for n in tensors if n.endswith('.gguf_types')] if w8a16_panels else []:
+        types = tensors[f'{base}.gguf_types']
+        widened = gguf_as_w8a16([(tensors[f'{base}.gguf.{i}'], types[i:i + 1]) for i in range(len(types))])
+        if widened is not None:
+            for i in range(len(types)):
+                del tensors[f'{base}.gguf.{i}']
+            del tensors[f'{base}.gguf_types']
+            tensors[f'{base}.qweight'], tensors[f'{base}.scales'] = widened
     w8a16 = [n[:-len('.scales')] for n in tensors if n.endswith('.scales') and tensors[n].dim() == 2
              and f"{n[:-len('.scales')]}.mins" not in tensors] if w8a16_panels else []
     for base in w8a16:
@@ -134,8 +145,8 @@ class TurbomindModel:
         self.dtype = dtype
         self.block_size = block_size
         self.quant_policy = quant_policy
-        self.linear_formats = linear_formats(config, tensors)
         self.tensors = pack_matmuls(tensors, w8a16_panels=not int8_activations)  # kept: C++ reads their memory
+        self.linear_formats = linear_formats(config, self.tensors)
         cfg = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,

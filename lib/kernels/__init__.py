@@ -72,6 +72,24 @@ def pack_w8a16_panels(qweight, scales):
     return qp, sp
 
 
+def gguf_to_w8a16(raw, type_id: int):
+    """(qweight int8 [N, K], scales float32 [N, K / G]): GGUF blocks (raw uint8 [N, row bytes]) of a type
+    without float mins (Q4_0, Q5_0, Q8_0, IQ4_NL; Q6_K in groups G of 16) in the W8A16 layout, the same
+    weights exactly (``ops.gguf_to_w8a16``; csrc/cpu/gguf.h)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    group = ops.gguf_w8a16_group(type_id)
+    block = next((v for v in ops.GGUF_TYPES.values() if v[0] == type_id), None)
+    if not group or block is None:
+        raise ValueError(f'GGUF type {type_id} has float mins or is not one lmd runs: it has no W8A16 form')
+    k = raw.shape[1] // block[2] * block[1]
+    qweight = torch.empty(raw.shape[0], k, dtype=torch.int8)
+    scales = torch.empty(raw.shape[0], k // group, dtype=torch.float32)
+    ops.gguf_to_w8a16(to_dlpack(raw.contiguous()), type_id, to_dlpack(qweight), to_dlpack(scales))
+    return qweight, scales
+
+
 def release_openmp_threads() -> bool:
     """Let the calling thread's idle OpenMP workers exit (torch's pool, once loaded), so that the
     kernels' team does not share the cores with a second, idle one (see bindings/module.cc)."""

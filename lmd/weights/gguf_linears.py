@@ -2,7 +2,8 @@
 ``lmd convert`` wrote beside them: its Q4_0 / Q4_1 / Q4_K matmuls in the W4A16 layout (a Q4_K block's
 eight sub-blocks are eight groups of 32) and a Q8_0 lm_head in W8A16 (``quant_layouts.py``), bit-exact; and every matmul of a block type the kernel library
 multiplies in place (``gguf_blocks_for``: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL at their own bit
-widths; lib/kernels/csrc/cpu/gguf.h), as the file stores them.
+widths; lib/kernels/csrc/cpu/gguf.h), as the file stores them. The engines run the Q5_0 / Q8_0 / Q6_K
+ones as W8A16 where they can (``quant_layouts.gguf_as_w8a16``), exactly.
 
 ``gguf_w4a16_for`` / ``gguf_head_w8a16_for`` take a directory ``lmd convert`` made from a GGUF
 file (its marker names the file, ``lmd.conversion``) and cache what they read in it::

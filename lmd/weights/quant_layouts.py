@@ -20,13 +20,18 @@ Groups that are not runs of consecutive k (GPTQ act-order: g_idx assigns each k 
 once k is permuted (``act_order``): the matmul then reads its input permuted, x[:, perm], and the
 weight holds its k in perm's order. Such a W4A16 matmul is the tuple (qweight, scales, mins, perm).
 
-W8A16 (``ops.linear_w8a16``): int8 weights in groups of G (a multiple of 32) with float scales,
+W8A16 (``ops.linear_w8a16``): int8 weights in groups of G (a multiple of 32; of 16 in the panels
+``ops.linear_w8a16_packed`` reads) with float scales,
 
     qweight: int8    [N, K]
     scales:  float32 [N, K // G]
     w[n, k] = q[n, k] * scales[n, k // G]
 
     GGUF Q8_0  w = d * q            scale = d                   (fp16 d, G = 32)
+    GGUF Q5_0  w = d * (q - 16)     scale = d                   (fp16 d, G = 32)
+    GGUF Q6_K  w = (d sc) (q - 32)  scale = d sc                (sixteen groups of 16 a block)
+
+and any GGUF type without float mins (``gguf_as_w8a16``; the C++ is ``cpu/gguf.h``'s gguf_to_w8a16).
 
 W8A8 (``ops.linear_w8a8``): ``qweight`` int8 [N, K] and per-output-channel ``scales``
 float32 [N], w = qweight * scales[:, None]; activations are quantized per token inside
@@ -153,6 +158,27 @@ def from_gguf_q8_0(raw, n: int, k: int):
     blocks = _gguf_blocks(raw, n, k, Q8_0_BLOCK_BYTES)
     qweight = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
     return qweight, _fp16_field(blocks, 0)
+
+
+# The GGUF block types whose matmuls run as W8A16 (in the 16-wide panels, 3-4x the block kernels' speed
+# at batch 1; ``gguf_as_w8a16``): 8 bits a code where the file stores 8 (Q8_0), 5.5 (Q5_0) or 6.6 (Q6_K).
+# Q4_0 has the W4A16 panels; IQ4_NL would take twice its bytes; the types with float mins have no W8A16 form.
+W8A16_GGUF_TYPES = ('Q5_0', 'Q8_0', 'Q6_K')
+
+
+def gguf_as_w8a16(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(qweight int8 [N, K], scales float32 [N, K / G]): a matmul in runs of GGUF blocks (raw uint8, type
+    int32 [1]; ``schema.gguf_runs``), each the next rows, as one W8A16 weight, the same weights exactly, when
+    every run is of a type of ``W8A16_GGUF_TYPES`` and they share one group size G; else None."""
+    from gguf import GGMLQuantizationType
+
+    from lmd.kernels import gguf_to_w8a16, ops
+    types = [int(t[0]) for _, t in runs]
+    if any(GGMLQuantizationType(t).name not in W8A16_GGUF_TYPES for t in types) or \
+            len({ops.gguf_w8a16_group(t) for t in types}) != 1:
+        return None
+    parts = [gguf_to_w8a16(raw, t) for (raw, _), t in zip(runs, types)]
+    return tuple(torch.cat(fields).contiguous() for fields in zip(*parts))
 
 
 def gguf_block_shape(raw: torch.Tensor, type_id: int) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from lmd.model_config import ModelConfig
 
 from .mla import fuse_mla, mla_weight_shapes
 from .moe import fuse_moe, moe_weight_shapes, quantized_moe_matmuls
-from .quant_layouts import gguf_block_shape
+from .quant_layouts import gguf_as_w8a16, gguf_block_shape
 from .interleaved_rope import to_half_split
 from .rope import build_cos_sin_cache
 
@@ -207,10 +207,28 @@ def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
+def gguf_runs(qs: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """GGUF parts (raw, type) of one matmul in runs of one block type: consecutive parts of a type
+    concatenated along N, in order."""
+    runs: list[list] = []
+    for raw, type_id in qs:
+        if runs and int(runs[-1][1][0]) == int(type_id[0]):
+            runs[-1][0].append(raw)
+        else:
+            runs.append([[raw], type_id])
+    return [(torch.cat(raws).contiguous(), type_id) for raws, type_id in runs]
+
+
 def fuse_quantized(qs: list[tuple]) -> tuple | list[tuple]:
     """The quantized parts of a fused matmul (one format and group count) as one: each field concatenated
     along N, a W4A16 input permutation kept once. Parts that read differently permuted inputs (GPTQ
-    act-order, each part its own g_idx) cannot share one gathered x: they stay a list, in order."""
+    act-order, each part its own g_idx) cannot share one gathered x: they stay a list, in order. GGUF
+    blocks become one W8A16 weight where their types allow (``gguf_as_w8a16``), else runs of one type
+    (``gguf_runs``), each its own part."""
+    if quant_format(qs[0]) == 'gguf':
+        runs = gguf_runs(qs)
+        widened = gguf_as_w8a16(runs)
+        return widened if widened is not None else runs[0] if len(runs) == 1 else runs
     perms = [q[3] if len(q) == 4 else None for q in qs]
     if not all(_same_perm(p, perms[0]) for p in perms[1:]):
         return list(qs)
@@ -247,15 +265,10 @@ def fuse_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: t
         qs = [quantized.get(p) for p in parts]
         if all(q is not None and quant_format(q) == 'gguf' for q in qs):
             # one matmul in runs of parts of one block type each, written into its columns in turn
-            runs: list[tuple[int, list[torch.Tensor]]] = []
-            for raw, type_id in qs:
-                if runs and runs[-1][0] == int(type_id[0]):
-                    runs[-1][1].append(raw)
-                else:
-                    runs.append((int(type_id[0]), [raw]))
-            for i, (_, raws) in enumerate(runs):
-                out[f'{name}.gguf.{i}'] = torch.cat(raws, dim=0).contiguous()
-            out[f'{name}.gguf_types'] = torch.tensor([t for t, _ in runs], dtype=torch.int32)
+            runs = gguf_runs(qs)
+            for i, (raw, _) in enumerate(runs):
+                out[f'{name}.gguf.{i}'] = raw
+            out[f'{name}.gguf_types'] = torch.tensor([int(t[0]) for _, t in runs], dtype=torch.int32)
             out[name + '_bias'] = cat(bias_parts, torch.float32)
         elif all(q is not None for q in qs) and len({(quant_format(q), q[1].shape[1:]) for q in qs}) == 1:
             fused = fuse_quantized(qs)

@@ -131,6 +131,8 @@ def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
         return weight, bias
     if len(weight) == 3:
         return CudaW4A16Linear(*weight, bias)
+    if weight[0].dtype == torch.uint8:  # GGUF blocks: dequantized once
+        return torch_ops.GgufLinear(*weight, bias)
     return (CudaW8A8Linear if weight[1].dim() == 1 else torch_ops.W8A16Linear)(*weight, bias)
 
 

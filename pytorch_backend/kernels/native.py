@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
 from lmd.kernels import ops, pack_w4a16_panels, pack_w8a16_panels
+from lmd.weights.schema import quant_format
 
 from ..context import StepContext
 from . import torch_ops
@@ -76,9 +77,30 @@ class NativeQuantLinear:
         return y
 
 
+class NativeGgufLinear:
+    """A matmul of GGUF blocks as stored (raw uint8 [N, row bytes], ggml type id int32 [1]), run by
+    ``ops.linear_gguf`` at the file's own bit width; the bias in float32."""
+    __slots__ = ('raw', 'type_id', 'bias', 'handle', 'b_handle', 'out_features')
+
+    def __init__(self, raw: torch.Tensor, type_id: torch.Tensor, bias: torch.Tensor | None):
+        self.raw, self.type_id = raw.contiguous(), int(type_id[0])
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.handle = ops.HostTensor(to_dlpack(self.raw))
+        self.b_handle = None if self.bias is None else ops.HostTensor(to_dlpack(self.bias))
+        self.out_features = raw.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        ops.linear_gguf(to_dlpack(x), self.handle, self.type_id, self.b_handle, to_dlpack(y))
+        return y
+
+
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
     if isinstance(weight, torch.Tensor):
         return NativeLinear(weight, bias)
+    if quant_format(weight) == 'gguf':
+        return NativeGgufLinear(*weight, bias)
     return NativeQuantLinear(weight, bias)
 
 

@@ -64,11 +64,13 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 def prepare_linear(weight: torch.Tensor | tuple, bias: torch.Tensor | None):
     """weight: float [N, K], or a quantized matmul in a layout of ``lmd.weights.quant_layouts``:
     (qweight, scales, mins) W4A16, (qweight int8 [N, K], scales [N]) W8A8 or (qweight int8, scales
-    [N, K / G]) W8A16."""
+    [N, K / G]) W8A16; (raw uint8, type int32 [1]) GGUF blocks."""
     if isinstance(weight, torch.Tensor):
         return weight, bias
     if len(weight) == 3:
         return W4A16Linear(*weight, bias)
+    if weight[0].dtype == torch.uint8:
+        return GgufLinear(*weight, bias)
     return (W8A8Linear if weight[1].dim() == 1 else W8A16Linear)(*weight, bias)
 
 
@@ -104,6 +106,20 @@ class W8A16Linear:
         (n, k), num_groups = self.qweight.shape, self.scales.shape[1]
         w = (self.qweight.float().view(n, num_groups, -1) * self.scales[..., None]).view(n, k).to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class GgufLinear:
+    """GGUF blocks as stored (raw uint8 [N, row bytes], ggml type id int32 [1]), dequantized once by
+    ``gguf.quants.dequantize`` (the format's own reference) to float32; each call casts to x's dtype."""
+
+    def __init__(self, raw: torch.Tensor, type_id: torch.Tensor, bias: torch.Tensor | None):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        w = dequantize(raw.cpu().numpy(), GGMLQuantizationType(int(type_id[0])))
+        self.weight, self.bias = torch.from_numpy(w).to(raw.device), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class W8A8Linear:

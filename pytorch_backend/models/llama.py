@@ -142,8 +142,8 @@ class CausalLM:
             self.lm_head = quantized.get('lm_head.weight')
             if self.lm_head is None:
                 self.lm_head = embed if tied else get('lm_head.weight')
-            else:
-                self.lm_head = on_device(self.lm_head)
+            else:  # one part: GGUF blocks may become W8A16 (fuse_quantized)
+                self.lm_head = on_device(fuse_quantized([self.lm_head]))
         self.layers: list[DecoderLayer] = []
         for n in self.layer_ids:
             p = f'model.layers.{n}.'

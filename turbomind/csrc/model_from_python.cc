@@ -119,7 +119,7 @@ std::shared_ptr<LlamaModel> model_from_python(const py::dict & cfg, const py::di
     };
     // a quantized matmul "<name>.qweight/.scales[/.mins]": W4A16 (mins there; or in panels,
     // lib/kernels/csrc/cpu/gemm.h), W8A16 (int8, scales [N, K/G]; or in panels) or W8A8 (int8, scales [N]), with the
-    // group size G = K / scales.size(1) a multiple of 32; "<name>.perm" (the matmul over x[:, perm]) and
+    // group size G = K / scales.size(1) a multiple of 32 (of 16 for W8A16 in panels); "<name>.perm" (the matmul over x[:, perm]) and
     // "<name>_bias" optional
     auto quantized = [&](const std::string & name, int64_t N, int64_t K) {
         LinearWeights lw;
@@ -134,7 +134,11 @@ std::shared_ptr<LlamaModel> model_from_python(const py::dict & cfg, const py::di
         } else {
             const int64_t groups = s.ndim >= 2 ? s.size(1) : 0;
             const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
-            if (g < 32 || g % 32) fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) + " needs groups of a multiple of 32");
+            const int64_t multiple = !w4 && s.ndim == 3 ? 16 : 32;  // W8A16 panels take GGUF Q6_K's groups of 16
+            if (g < multiple || g % multiple) {
+                fail("LlamaModel: " + sn + " has " + std::to_string(groups) + " groups per row; K = " + std::to_string(K) +
+                     " needs groups of a multiple of " + std::to_string(multiple));
+            }
             if (w4 && s.ndim == 3) {  // W4A16 in panels 64 wide
                 const int64_t P4 = (N + 63) / 64;
                 lw.qweight = raw(name + ".qweight", DType::i32, {P4, K / 8, 64});

@@ -147,15 +147,15 @@ void linear_w4a8_packed(py::handle x, py::handle qp, py::handle sp, py::handle m
     w4_packed_call(x, qp, sp, mp, bias, y, reference, cpu::linear_w4a8_packed);
 }
 
-// The two W8A16 panel tensors for w[N, K] in groups of G (a multiple of 32).
+// The two W8A16 panel tensors for w[N, K] in groups of G (a multiple of 16: GGUF's Q6_K groups 16).
 void check_w8a16_panels(const TensorView & q, const TensorView & s) {
     constexpr int64_t W = cpu::kPanelWidth;
     expect(q.ndim == 3 && q.contiguous() && q.dtype == DType::i8 && q.size(2) == W, "qpanels", q,
            "must be a contiguous int8 [P, K, 16] tensor (ops.pack_w8a16)");
     const int64_t K = q.size(1);
     expect(s.ndim == 3 && s.contiguous() && (s.dtype == DType::f32 || s.dtype == DType::f16) && s.size(0) == q.size(0) &&
-           s.size(2) == W && s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 32 == 0, "spanels", s,
-           "must be a contiguous float32 or float16 [P, K / G, 16] tensor with qpanels' P and G a multiple of 32");
+           s.size(2) == W && s.size(1) > 0 && K % s.size(1) == 0 && (K / s.size(1)) % 16 == 0, "spanels", s,
+           "must be a contiguous float32 or float16 [P, K / G, 16] tensor with qpanels' P and G a multiple of 16");
 }
 
 void pack_w8a16(py::handle q_h, py::handle s_h, py::handle qp_h, py::handle sp_h) {

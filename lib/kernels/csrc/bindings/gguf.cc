@@ -52,6 +52,20 @@ void linear_gguf(py::handle x_h, py::handle raw_h, int type, py::handle bias_h, 
     cpu::linear_gguf(x, raw, type, has_bias ? &bias : nullptr, y, int8_activations, reference);
 }
 
+void gguf_to_w8a16(py::handle raw_h, int type, py::handle q_h, py::handle s_h) {
+    const TensorView raw = view_of(raw_h, "raw"), q = view_of(q_h, "qweight"), s = view_of(s_h, "scales");
+    const int G = cpu::gguf_w8a16_group(type);
+    if (!G) fail("type " + std::to_string(type) + " has float mins (or is not a GGUF type lmd runs): no W8A16 form");
+    expect(q.ndim == 2 && q.contiguous() && q.dtype == DType::i8, "qweight", q, "must be a contiguous int8 [N, K] tensor");
+    check_raw(raw, type, q.size(1));
+    expect(raw.size(0) == q.size(0), "qweight", q, "must have raw's N = " + std::to_string(raw.size(0)) + " rows");
+    expect(s.ndim == 2 && s.contiguous() && s.dtype == DType::f32 && s.size(0) == q.size(0) &&
+           s.size(1) == q.size(1) / G, "scales", s,
+           "must be a contiguous float32 [N, K / " + std::to_string(G) + "] tensor");
+    py::gil_scoped_release release;
+    cpu::gguf_to_w8a16(raw, type, q, s);
+}
+
 }  // namespace
 
 void bind_gguf(py::module_ & ops) {
@@ -69,6 +83,12 @@ void bind_gguf(py::module_ & ops) {
             py::arg("reference") = false,
             "out[N, K] float32 = the weight of GGUF blocks raw uint8 [N, K / QK * B] of ggml type id `type` "
             "(GGUF_TYPES: name -> (id, QK, B)), exactly as gguf.quants.dequantize.");
+    ops.def("gguf_w8a16_group", &cpu::gguf_w8a16_group, py::arg("type"),
+            "G of the W8A16 form of GGUF type id `type` (32; 16 for Q6_K), or 0 for a type with float mins.");
+    ops.def("gguf_to_w8a16", &gguf_to_w8a16, py::arg("raw"), py::arg("type"), py::arg("qweight"), py::arg("scales"),
+            "GGUF blocks raw uint8 [N, K / QK * B] of a type without float mins (Q4_0, Q5_0, Q8_0, IQ4_NL, Q6_K) "
+            "as W8A16: qweight int8 [N, K] (the codes less the type's offset) and scales float32 [N, K / G], "
+            "G = gguf_w8a16_group(type); the same weights exactly (cpu/gguf.h).");
     ops.def("linear_gguf", &linear_gguf, py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("y"),
             py::arg("int8_activations") = false, py::arg("reference") = false,
             "y[M, N] = x[M, K] @ w.T (+ bias[N]) with w GGUF blocks as stored (raw uint8 [N, K / QK * B], ggml "

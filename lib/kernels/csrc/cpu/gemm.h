@@ -102,7 +102,7 @@ void unpack_w8a16(const TensorView & qpanels, const TensorView & spanels, const 
                   const TensorView & scales);
 
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]) with w W8A16 in panels (above); G = K / spanels.size(1),
-// a multiple of 32. x, y as for linear_packed; bias float32 [N] or null.
+// a multiple of 16 (GGUF's Q6_K scales every 16 k: gguf.h's gguf_to_w8a16). x, y as for linear_packed; bias float32 [N] or null.
 void linear_w8a16_packed(const TensorView & x, const TensorView & qpanels, const TensorView & spanels,
                          const TensorView * bias, const TensorView & y, bool reference = false);
 

@@ -34,6 +34,37 @@ void gguf_dequantize(const TensorView & raw, int type, const TensorView & out, b
     });
 }
 
+int gguf_w8a16_group(int type) {
+    switch (static_cast<GgufType>(type)) {
+        case GgufType::Q4_0:
+        case GgufType::Q5_0:
+        case GgufType::Q8_0:
+        case GgufType::IQ4_NL: return 32;
+        case GgufType::Q6_K: return 16;
+        default: return 0;
+    }
+}
+
+void gguf_to_w8a16(const TensorView & raw, int type, const TensorView & qweight, const TensorView & scales) {
+    const GgufTypeInfo t = gguf_type_info(type);
+    const int64_t N = qweight.size(0), K = qweight.size(1), row_bytes = raw.size(1);
+    const int G = gguf_w8a16_group(type), QK = t.block_values;
+    parallel_ranges(static_cast<int>(std::min<int64_t>(num_threads(), std::max<int64_t>(1, N * K >> 16))), N, 1,
+                    [&](int64_t n0, int64_t n1) {
+        std::vector<int32_t> q(QK);
+        float s[16], m[16];
+        for (int64_t n = n0; n < n1; ++n) {
+            int8_t * qn = qweight.ptr<int8_t>() + n * K;
+            float * sn = scales.ptr<float>() + n * (K / G);
+            for (int64_t b = 0; b < K / QK; ++b) {
+                const int o = ref::gguf_block(type, raw.ptr<uint8_t>() + n * row_bytes + b * t.block_bytes, q.data(), s, m);
+                for (int k = 0; k < QK; ++k) qn[b * QK + k] = static_cast<int8_t>(q[k] - o);
+                for (int g = 0; g < QK / G; ++g) sn[b * (QK / G) + g] = s[g * G / 16];
+            }
+        }
+    });
+}
+
 void linear_gguf(const TensorView & x, const TensorView & raw, int type, const TensorView * bias,
                  const TensorView & y, bool int8_activations, bool reference) {
     const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);

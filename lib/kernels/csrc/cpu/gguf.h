@@ -1,6 +1,7 @@
 // GGUF's block-quantized weights as llama.cpp writes them, multiplied in place: every ggml type a
-// GGUF file mixes (Q4_0 ... Q8_0, the k-quants Q4_K, Q5_K, Q6_K, and IQ4_NL) at its own bit width,
-// never widened to another layout. As elsewhere in cpu/, a scalar reference (gguf_ref.cc) defines
+// GGUF file mixes (Q4_0 ... Q8_0, the k-quants Q4_K, Q5_K, Q6_K, and IQ4_NL) at its own bit width
+// (or, for the types without float mins, moved exactly into the W8A16 layout: gguf_to_w8a16 below,
+// whose panels run faster than these blocks). As elsewhere in cpu/, a scalar reference (gguf_ref.cc) defines
 // each result and an AVX2 version (gguf_avx2.cc) equals it bit for bit; gguf.cc splits the work.
 //
 // Layout: a weight w[N, K] is N rows of K / QK blocks, a row's blocks back to back, as the file
@@ -78,6 +79,13 @@ void gguf_dequantize(const TensorView & raw, int type, const TensorView & out, b
 // in the last dim, any row stride, one dtype (f32, bf16, f16); bias float32 [N] or null.
 void linear_gguf(const TensorView & x, const TensorView & raw, int type, const TensorView * bias,
                  const TensorView & y, bool int8_activations, bool reference = false);
+
+// The W8A16 layout (quant.h) of a type without float mins, whose weights are an integer code times
+// one scale per group (w = s (q - o) above): Q4_0, Q5_0, Q8_0 and IQ4_NL in groups of 32, Q6_K in
+// groups of 16. qweight int8 [N, K] = q - o (IQ4_NL: its level), scales float32 [N, K / G] = s:
+// the same weights, exactly. gguf_w8a16_group(type) is G, or 0 for a type with float mins.
+int gguf_w8a16_group(int type);
+void gguf_to_w8a16(const TensorView & raw, int type, const TensorView & qweight, const TensorView & scales);
 
 namespace ref {
 // One block: codes q[QK], the per-16 scales s[QK / 16] and mins m[QK / 16] (above); returns the
