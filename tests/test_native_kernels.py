@@ -156,6 +156,33 @@ def test_paged_decode_attention(context_lens, block_size, num_heads, num_kv_head
     torch.testing.assert_close(ref, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('Hq,Hk,D,block_size', [(9, 3, 64, 16), (8, 8, 128, 7), (12, 2, 72, 24), (4, 1, 8, 64)])
+@pytest.mark.parametrize('softcap,sinks', [(0.0, False), (1.5, True)])
+def test_prefill_rows_in_tiles_are_the_decode_kernel_bit_for_bit(Hq, Hk, D, block_size, softcap, sinks, dtype):
+    """A prefill chunk's rows (one table, causal lengths) go to the kernel in tiles that read each run of keys
+    and values once for several rows and query heads: every row's result is the per-row decode kernel's, bit for
+    bit (that kernel still serves a window, here one longer than every row: the same attention)."""
+    T, g = 77, torch.Generator().manual_seed(3)
+    blocks = (T + block_size - 1) // block_size
+    k_cache, v_cache = (rand(blocks + 3, block_size, Hk, D, dtype=dtype, seed=s) for s in (1, 2))
+    table = torch.randperm(blocks + 3, generator=g)[:blocks].to(torch.int32)
+    tables = torch.cat([table.repeat(T - 3, 1), torch.randperm(blocks + 3, generator=g)[:blocks].to(torch.int32)
+                        .repeat(3, 1)]).contiguous()  # the last three rows another sequence's
+    lens = torch.cat([torch.arange(1, T - 2), torch.tensor([5, 40, 41])]).to(torch.int32)
+    q = rand(T, Hq, D, dtype=dtype, seed=4, scale=2.0)
+    sink_logits = rand(Hq, seed=5) if sinks else None
+    outs = []
+    for window in (0, T + 1):  # the tiles; the per-row kernel
+        out = torch.full_like(q, float('nan'))
+        ops.paged_decode_attention(dl(q), dl(k_cache), dl(v_cache), dl(tables), dl(lens), D ** -0.5, dl(out),
+                                   window=window, softcap=softcap,
+                                   sinks=None if sink_logits is None else dl(sink_logits))
+        outs.append(out)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+
+
 def window_attention(q, k, v, tables, context_lens, block_size, scale, window, softcap=0.0, sinks=None):
     """float32 attention of each query over its last ``window`` cached tokens (k, v float caches), the
     scaled scores soft-capped where ``softcap`` > 0; ``sinks`` [Hq]: a score per head with a zero value,

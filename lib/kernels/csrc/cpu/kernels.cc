@@ -118,6 +118,49 @@ void linear(const TensorView & x, const TensorView & w, const TensorView * bias,
 
 namespace {
 
+constexpr int64_t kMaxTilePairs = 64;  // attention_rows_task's (row, query head) pairs at most
+constexpr int64_t kTilePairs = 8;      // what a tile of rows aims at: its keys and values read once for 8
+
+// The float cache without a window: runs of consecutive query rows that read one table (a prefill
+// chunk's rows; decode rows are runs of one) go to attention_rows_task together, rows * group <= 8
+// pairs a task (the group query heads of a KV head always together). Each row's result is
+// decode_attention_task's, bit for bit, whatever rows share its tile.
+void attention_row_tiles(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                         const TensorView & block_tables, const int32_t * row_seqs, const TensorView & context_lens,
+                         float scale, float softcap, const float * sinks, const TensorView & out, int64_t max_len) {
+    const int64_t B = q.size(0), D = q.size(2), num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+    const int64_t group = q.size(1) / num_kv_heads, max_rows = std::max<int64_t>(1, kTilePairs / group);
+    const int32_t * lens = context_lens.ptr<int32_t>();
+    auto table_of = [&](int64_t b) {
+        return block_tables.ptr<int32_t>() + (row_seqs ? row_seqs[b] : b) * block_tables.stride(0);
+    };
+    auto same_table = [&](int64_t a, int64_t b) {
+        if (row_seqs) return row_seqs[a] == row_seqs[b];
+        const int64_t blocks = (std::max(lens[a], lens[b]) + block_size - 1) / block_size;
+        return std::equal(table_of(a), table_of(a) + blocks, table_of(b));
+    };
+    std::vector<int64_t> starts;  // tile i: rows [starts[i], starts[i + 1])
+    for (int64_t b = 0; b < B;) {
+        starts.push_back(b);
+        const int64_t b0 = b++;
+        while (b < B && b - b0 < max_rows && same_table(b0, b)) ++b;
+    }
+    starts.push_back(B);
+    const int64_t tiles = static_cast<int64_t>(starts.size()) - 1, tasks = tiles * num_kv_heads;
+    const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
+    std::vector<std::vector<float>> scratch(threads);
+    parallel_pieces(threads, tasks, [&](int64_t task, int thread) {
+        std::vector<float> & s = scratch[thread];
+        if (s.empty()) s.resize(max_rows * group * (max_len + D));
+        const int64_t tile = task / num_kv_heads, h = task % num_kv_heads, b0 = starts[tile];
+        TensorView table = block_tables;  // row b0's table, whatever row index reads it
+        table.data = const_cast<int32_t *>(table_of(b0));
+        table.strides[0] = 0;
+        avx2::attention_rows_task(q, k_cache, v_cache, table, context_lens, scale, softcap, sinks, out, b0,
+                                  starts[tile + 1] - b0, h, s.data());
+    });
+}
+
 // row_seqs: the table row of each query row (null: row b reads table b). A task sees its own
 // sequence's table as a one-row view with stride 0, so the tasks index it by b unchanged.
 void paged_attention(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
@@ -129,8 +172,12 @@ void paged_attention(const TensorView & q, const TensorView & k_cache, const Ten
     const int32_t * lens = context_lens.ptr<int32_t>();
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-    const int64_t tasks = B * num_kv_heads;
     const bool vector = !reference && isa_at_least(Isa::avx2) && q.size(2) % 8 == 0 && q.size(2) <= 256;
+    if (vector && !kv_quant && window == 0 && group <= kMaxTilePairs) {
+        attention_row_tiles(q, k_cache, v_cache, block_tables, row_seqs, context_lens, scale, softcap, sinks, out, max_len);
+        return;
+    }
+    const int64_t tasks = B * num_kv_heads;
     const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
     std::vector<std::vector<float>> scratch(threads);  // [thread][group * max_len]
     parallel_pieces(threads, tasks, [&](int64_t task, int thread) {

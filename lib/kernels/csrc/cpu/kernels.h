@@ -118,6 +118,14 @@ void decode_attention_task(const TensorView & q, const TensorView & k_cache, con
                            const TensorView & block_tables, const TensorView & context_lens, float scale,
                            float softcap, const float * sinks, const TensorView & out, int64_t b, int64_t first,
                            int64_t kv_head, float * scratch);
+// decode_attention_task's results, bit for bit, for query rows [b0, b0 + rows) that share row b0's table
+// (one sequence; no window) and one KV head: the rows and the KV head's query heads read each tile of
+// keys and values once (prefill chunks, GQA). scratch: rows * group * (max len + head_dim) floats,
+// rows * group <= 64.
+void attention_rows_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                         const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
+                         const float * sinks, const TensorView & out, int64_t b0, int64_t rows, int64_t kv_head,
+                         float * scratch);
 // the same over a quantized cache (kv_quant_avx2.cc); head_dim a multiple of 8
 void decode_attention_quant_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                                  const TensorView & block_tables, const TensorView & context_lens, float scale,

@@ -233,6 +233,112 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
     }
 }
 
+// decode_attention_t for `rows` query rows b0 .. of one sequence (they share row b0's table; no window)
+// and the group query heads of one KV head together: the keys and values are taken a tile of up to
+// kTile tokens at a time, the tile read once from L2 into L1 for every (row, head) pair instead of
+// once per pair. Each pair's operations, and their order, are decode_attention_t's (the scores'
+// groups of eight from each block's start, the softmax, the ascending sum over tokens): its result is
+// that kernel's bit for bit. scratch: rows * group * (max len + D) floats.
+template <typename T, int NV>
+void attention_rows_t(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                      const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
+                      const float * sinks, const TensorView & out, int64_t b0, int64_t rows, int64_t kv_head,
+                      float * scratch) {
+    constexpr int64_t kTile = 32;  // a multiple of 8: a tile never splits a group of eight
+    const int64_t num_heads = q.size(1), D = q.size(2);
+    const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    const int64_t group = num_heads / num_kv_heads, P = rows * group;
+    const int32_t * lens = context_lens.ptr<int32_t>() + b0;
+    const int32_t * table = block_tables.ptr<int32_t>() + b0 * block_tables.stride(0);
+    int64_t max_len = 0;
+    for (int64_t r = 0; r < rows; ++r) max_len = std::max<int64_t>(max_len, lens[r]);
+    const int64_t nv = NV ? NV : D / 8;
+    const int64_t row = num_kv_heads * D;  // elements between consecutive tokens of a block
+    constexpr int kRegs = NV ? NV : kMaxHeadDim / 8;
+    float * S = scratch;                // [P, max_len]: pair p's scores, then its probabilities
+    float * A = scratch + P * max_len;  // [P, D]: pair p's scaled query, then its output sums between tiles
+    auto len_of = [&](int64_t p) { return static_cast<int64_t>(lens[p / group]); };
+    auto head_of = [&](int64_t p) { return kv_head * group + p % group; };
+    // fn(t0, t1, base) for each tile [t0, t1) of [0, max_len), inside one block; token t at base + (t - t0) * row
+    auto for_tiles = [&](const T * cache, auto && fn) {
+        for (int64_t t0 = 0; t0 < max_len;) {
+            const int64_t start = t0 / block_size * block_size;
+            const int64_t t1 = std::min({start + block_size, max_len, t0 + kTile});
+            fn(t0, t1, cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 - start) * row + kv_head * D);
+            t0 = t1;
+        }
+    };
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t p = 0; p < P; ++p) {
+        const T * qh = q.ptr<T>() + (b0 + p / group) * q.stride(0) + head_of(p) * q.stride(1);
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, _mm256_mul_ps(load8(qh + 8 * i), vscale));
+    }
+    for_tiles(k_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * kb) {
+        const int64_t start = t0 / block_size * block_size;
+        for (int64_t p = 0; p < P; ++p) {
+            const int64_t len = len_of(p);
+            if (t0 >= len) continue;
+            const int64_t run_end = std::min(len, start + block_size), end = std::min(t1, len);
+            __m256 qv[kRegs];
+            for (int64_t i = 0; i < nv; ++i) qv[i] = _mm256_loadu_ps(A + p * D + 8 * i);
+            auto dot = [&](const T * kt) {
+                __m256 a = _mm256_mul_ps(qv[0], load8(kt));
+                for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a);
+                return a;
+            };
+            float * s = S + p * max_len;
+            int64_t t = t0;
+            for (; t + 8 <= run_end && t < end; t += 8) {  // the decode kernel's groups: t - start a multiple of 8
+                __m256 a[8];
+                for (int j = 0; j < 8; ++j) a[j] = dot(kb + (t - t0 + j) * row);
+                _mm256_storeu_ps(s + t, reduce8(a));
+            }
+            for (; t < end; ++t) s[t] = hsum(dot(kb + (t - t0) * row));
+        }
+    });
+    float sums[64];  // P <= 64 (the dispatch's tiles)
+    for (int64_t p = 0; p < P; ++p) {
+        const int64_t n = len_of(p), h = head_of(p);
+        float * s = S + p * max_len;
+        if (softcap > 0.f) {
+            for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
+        }
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        float max_s = -INFINITY;
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+        for (; t < n; ++t) max_s = std::fmax(max_s, s[t]);
+        {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, vmax);
+            for (float v : tmp) max_s = std::fmax(max_s, v);
+        }
+        if (sinks) max_s = std::fmax(max_s, sinks[h]);
+        sums[p] = exp_shifted(s, n, max_s) + (sinks ? std::exp(sinks[h] - max_s) : 0.f);
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, _mm256_setzero_ps());
+    }
+    for_tiles(v_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * vb) {
+        for (int64_t p = 0; p < P; ++p) {
+            const int64_t end = std::min(t1, len_of(p));
+            if (t0 >= end) continue;
+            const float * s = S + p * max_len;
+            __m256 acc[kRegs];
+            for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_loadu_ps(A + p * D + 8 * i);
+            for (int64_t t = t0; t < end; ++t) {
+                const __m256 pt = _mm256_set1_ps(s[t]);
+                const T * vt = vb + (t - t0) * row;
+                for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(pt, load8(vt + 8 * i), acc[i]);
+            }
+            for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, acc[i]);
+        }
+    });
+    for (int64_t p = 0; p < P; ++p) {
+        const __m256 inv = _mm256_set1_ps(1.f / sums[p]);
+        T * oh = out.ptr<T>() + (b0 + p / group) * out.stride(0) + head_of(p) * out.stride(1);
+        for (int64_t i = 0; i < nv; ++i) store8(oh + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(A + p * D + 8 * i), inv));
+    }
+}
+
 template <typename T>
 void decode_attention_d(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
                         const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
@@ -407,6 +513,26 @@ void linear_rows(const float * x, int64_t ldx, int64_t M, int64_t K, const Tenso
         case DType::f32: linear_rows_w<float>(x, ldx, M, K, w, bias, y, n0, n1); break;
         case DType::bf16: linear_rows_w<bf16>(x, ldx, M, K, w, bias, y, n0, n1); break;
         case DType::f16: linear_rows_w<f16>(x, ldx, M, K, w, bias, y, n0, n1); break;
+        default: break;
+    }
+}
+
+void attention_rows_task(const TensorView & q, const TensorView & k_cache, const TensorView & v_cache,
+                         const TensorView & block_tables, const TensorView & context_lens, float scale, float softcap,
+                         const float * sinks, const TensorView & out, int64_t b0, int64_t rows, int64_t kv_head,
+                         float * scratch) {
+    auto run = [&](auto tag) {
+        using T = decltype(tag);
+        switch (q.size(2)) {
+            case 64: attention_rows_t<T, 8>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b0, rows, kv_head, scratch); break;
+            case 128: attention_rows_t<T, 16>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b0, rows, kv_head, scratch); break;
+            default: attention_rows_t<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sinks, out, b0, rows, kv_head, scratch); break;
+        }
+    };
+    switch (q.dtype) {
+        case DType::f32: run(float()); break;
+        case DType::bf16: run(bf16()); break;
+        case DType::f16: run(f16()); break;
         default: break;
     }
 }
