@@ -70,11 +70,13 @@ namespace {
 // fn(p0, p1) over runs of 16-column panels [p0, p1) (each weight is read once in all), on as
 // many threads as pay for themselves (below ~64k multiply-adds a second one costs more than it
 // saves).
+// Below 6 rows the kernels take 8 panels (4 with AVX2) a tile to keep enough chains going: the runs are
+// whole tiles, or a decode step's GEMV would run its panels one at a time, bound by one chain's latency.
 template <typename Fn>
 void split_panels(int64_t M, int64_t N, int64_t K, Fn && fn) {
     const int64_t P = num_panels(N);
     const int threads = static_cast<int>(std::min<int64_t>({num_threads(), P, std::max<int64_t>(1, M * N * K >> 16)}));
-    parallel_ranges(threads, P, 1, fn);
+    parallel_ranges(threads, P, M <= 5 ? 8 : 1, fn);
 }
 
 // Threads for a pass over the rows of an [M, K] x: one below ~16k elements.

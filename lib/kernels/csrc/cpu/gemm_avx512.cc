@@ -225,13 +225,18 @@ void quant_gemm(const A & a, int64_t M, int64_t N, const float * bias, YT * y, i
                      });
 }
 
+// NP of the W4A16 tiles of M <= 5 rows: small_np, but 4 at M = 1 with float16 scales, whose converts
+// would take registers the 8-panel GEMV (24 accumulators and 8 weight vectors) does not have.
+template <typename ST>
+constexpr int w4_np(int mr) { return std::is_same_v<ST, f16> && mr == 1 ? 4 : small_np(mr); }
+
 template <typename ST, typename YT>
 void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
                   int64_t p1) {
     if (M <= 5) {
         small_m(M, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
-            panels_small<MR, small_np(MR)>(
+            panels_small<MR, w4_np<ST>(MR)>(
                 [&](int64_t p, auto & out) { a.template tile<MR, sizeof(out.v[0]) / sizeof(__m512)>(p, out); }, N, bias,
                 y, ldy, p0, p1);
         });
