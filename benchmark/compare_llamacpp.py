@@ -392,7 +392,7 @@ def parse_args(argv=None):
                    help="llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama-cpp-python "
                         '0.3.36 crashes in them on quantized types')
     p.add_argument('--f16-gguf', default=None,
-                   help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<name>.F16.gguf)')
+                   help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<gguf name>.F16.gguf)')
     p.add_argument('--lmd-formats', default='float16,float32,w4a16',
                    help=f'lmd TurboMind formats, comma-separated: {", ".join(LMD_FORMATS)}')
     p.add_argument('--decode-tokens', default='128,128', help='batch-1 decode: prompt,output tokens')
@@ -475,9 +475,10 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(args.model)
         q4 = args.gguf or (args.model if args.model.endswith('.gguf') else shipped_gguf())
         quant = gguf_file_type(q4)
-        stem = os.path.basename(q4).removesuffix('.gguf').removesuffix('.' + quant).removesuffix('-' + quant)
-        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, stem + '.F16.gguf')
-        if not os.path.isfile(f16):
+        # one F16 file per quantized file (a Q4_K_M and a Q8_0 of one model are different weights), rewritten
+        # when the quantized file is newer
+        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, os.path.basename(q4).removesuffix('.gguf') + '.F16.gguf')
+        if not os.path.isfile(f16) or (not args.f16_gguf and os.path.getmtime(f16) < os.path.getmtime(q4)):
             log(f'writing {f16} from {q4}')
             os.makedirs(os.path.dirname(f16), exist_ok=True)
             report['f16_gguf'] = write_f16_gguf(q4, f16)
