@@ -152,7 +152,9 @@ void attention_row_tiles(const TensorView & q, const TensorView & k_cache, const
     parallel_pieces(threads, tasks, [&](int64_t task, int thread) {
         std::vector<float> & s = scratch[thread];
         if (s.empty()) s.resize(max_rows * group * (max_len + D));
-        const int64_t tile = task / num_kv_heads, h = task % num_kv_heads, b0 = starts[tile];
+        // the last tiles first: a prefill chunk's longest rows are its last, and left to the end they
+        // would keep one thread busy while the other has nothing left
+        const int64_t tile = tiles - 1 - task / num_kv_heads, h = task % num_kv_heads, b0 = starts[tile];
         TensorView table = block_tables;  // row b0's table, whatever row index reads it
         table.data = const_cast<int32_t *>(table_of(b0));
         table.strides[0] = 0;

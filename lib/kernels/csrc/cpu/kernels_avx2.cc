@@ -152,6 +152,27 @@ void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const Ten
 
 // ---- attention -------------------------------------------------------------------------------
 
+// A row's n scores in s soft-capped (Gemma 2: tanh(s / cap) * cap, when softcap > 0) and turned into
+// probabilities, unnormalised; returns their sum, with the sink's term (gpt-oss: its logit joins the
+// softmax as a key without a value) when sink is not null. The output divides by the sum once.
+inline float softmax_unnormalised(float * s, int64_t n, float softcap, const float * sink) {
+    if (softcap > 0.f) {
+        for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
+    }
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    float max_s = -INFINITY;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    for (; t < n; ++t) max_s = std::fmax(max_s, s[t]);
+    {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, vmax);
+        for (float v : tmp) max_s = std::fmax(max_s, v);
+    }
+    if (sink) max_s = std::fmax(max_s, *sink);
+    return exp_shifted(s, n, max_s) + (sink ? std::exp(*sink - max_s) : 0.f);
+}
+
 // One sequence, one KV head and the `group` query heads that share it; scratch holds
 // group * len scores. NV = head_dim / 8 when known at compile time (the common head
 // sizes: q and the output accumulators then live in registers), 0 for any other.
@@ -198,22 +219,7 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
             for (; t < tn; ++t) s[t0 - first + t] = hsum(dot(kb + t * row));
             t0 += tn;
         }
-        if (softcap > 0.f) {  // tanh(s / cap) * cap (Gemma 2)
-            for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
-        }
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        float max_s = -INFINITY;
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
-        for (; t < n; ++t) max_s = std::fmax(max_s, s[t]);
-        {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, vmax);
-            for (float v : tmp) max_s = std::fmax(max_s, v);
-        }
-        if (sinks) max_s = std::fmax(max_s, sinks[h]);  // the sink's logit joins the softmax (gpt-oss)
-        // probabilities, unnormalised; the sum divides the output once
-        const float sum = exp_shifted(s, n, max_s) + (sinks ? std::exp(sinks[h] - max_s) : 0.f);
+        const float sum = softmax_unnormalised(s, n, softcap, sinks ? sinks + h : nullptr);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t t0 = first; t0 < len;) {
@@ -298,23 +304,7 @@ void attention_rows_t(const TensorView & q, const TensorView & k_cache, const Te
     });
     float sums[64];  // P <= 64 (the dispatch's tiles)
     for (int64_t p = 0; p < P; ++p) {
-        const int64_t n = len_of(p), h = head_of(p);
-        float * s = S + p * max_len;
-        if (softcap > 0.f) {
-            for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
-        }
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        float max_s = -INFINITY;
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
-        for (; t < n; ++t) max_s = std::fmax(max_s, s[t]);
-        {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, vmax);
-            for (float v : tmp) max_s = std::fmax(max_s, v);
-        }
-        if (sinks) max_s = std::fmax(max_s, sinks[h]);
-        sums[p] = exp_shifted(s, n, max_s) + (sinks ? std::exp(sinks[h] - max_s) : 0.f);
+        sums[p] = softmax_unnormalised(S + p * max_len, len_of(p), softcap, sinks ? sinks + head_of(p) : nullptr);
         for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, _mm256_setzero_ps());
     }
     for_tiles(v_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * vb) {
