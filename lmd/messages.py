@@ -244,9 +244,10 @@ class TurbomindEngineConfig(EngineConfig):
     """TurboMind's settings (the C++ engine, ``lmd.turbomind``): the shared ones, and
 
     ``int8_activations``: the group-quantized matmuls (4-bit: GGUF Q4_0 / Q4_1, AWQ; 8-bit: GGUF
-    Q8_0) take their activations quantized to int8 per 32 values, as llama.cpp multiplies Q4 and
-    Q8_0 by Q8: a faster CPU decode, logits no longer equal to float arithmetic
-    (lib/kernels/csrc/cpu/gemm.h W4A8, quant.h W8A8 by groups).
+    Q8_0; a GGUF's other block types) take their activations quantized to int8 per 32 values, as
+    llama.cpp multiplies Q4 and Q8_0 by Q8: a faster CPU decode, logits no longer equal to float
+    arithmetic (lib/kernels/csrc/cpu/gemm.h W4A8, quant.h W8A8 by groups, gguf.h). A W8A16 lm_head
+    keeps float activations: its float panels are faster than the int8 kernel there.
     """
     int8_activations: bool = False
     _devices: ClassVar[str] = "'cpu', 'cuda'"
