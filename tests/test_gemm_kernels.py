@@ -301,6 +301,24 @@ def test_w8a16_rows_do_not_depend_on_the_batch_or_the_threads(kernel_isa):
                             sizes=(1, 2, 3, 4, 5, 6, 13, 40, 41))
 
 
+@pytest.mark.parametrize('M', [17, 40])
+def test_many_panels_and_row_tiles_equal_reference(M, kernel_isa):
+    """Enough panels on one thread for the AVX-512 kernels to take them in several L2-sized blocks
+    (about 384 KiB of weights each), each met by every 16-row tile: float32, W4A16 and W8A16."""
+    K = 576
+    x = rand(M, K, seed=20)
+    w = rand(700, K, seed=21)
+    packed = pack(w)
+    got = with_threads(1, lambda: linear_packed(x, packed, None, 700))
+    assert torch.equal(got, linear_packed(x, packed, None, 700, reference=True))
+    panels = pack_w4a16(*rand_w4a16(1400, K, 32, seed=22))
+    got = with_threads(1, lambda: w4a16_packed(x, panels, None, 1400))
+    assert torch.equal(got, w4a16_packed(x, panels, None, 1400, reference=True))
+    panels = pack_w8a16(*rand_w8a16(800, K, 32, seed=23))
+    got = with_threads(1, lambda: w8a16_packed(x, panels, None, 800))
+    assert torch.equal(got, w8a16_packed(x, panels, None, 800, reference=True))
+
+
 # -- bad arguments ---------------------------------------------------------------------------------
 
 def test_bad_arguments_are_clear_errors():

@@ -6,6 +6,13 @@
 // twice the FMA width where the core has 512-bit units (Intel), and VPDPBUSD, one instruction
 // for the multiply-add chain AVX2's W4A8 takes three for.
 //
+// Three paths, by M: M <= 5 (a decode row or a verification step) runs tiles of several panels with
+// the weights converted in registers; 6 <= M <= kBatchRows (a decode batch, a short prompt) runs
+// tiles of up to 16 rows by one panel (batch_tiles), each weight converted in registers once for all
+// the tile's rows (16 FMAs a weight vector hide the convert and the loads: near the core's FMA rate);
+// larger M (a prefill chunk) the GEMM, its chunks of a panel converted into a buffer once for every
+// tile of a block of rows (gemm_blocks.h).
+//
 // This file is compiled for AVX-512 by the target pragma below, after every header: the
 // standard library's templates it instantiates stay baseline code, as one translation unit's
 // copy of them serves the whole library (a CPU with AVX2 only must be able to run it).
@@ -46,6 +53,54 @@ namespace {
 
 // ---- float panels ----------------------------------------------------------------------------------
 
+// Rows up to which a matmul takes batch_tiles rather than the GEMM (gemm_blocks): at 512 rows the GEMM's
+// chunks, each met by 112 rows from L2, keep the small matmuls (N = 576) ~10% faster.
+constexpr int64_t kBatchRows = 64;
+
+// The rows x [M, K] (stride ldx) of a decode batch (6 <= M <= kBatchRows) in ceil(M / 16) tiles of
+// near-equal height (6 to 16), over the panels [p0, p1): tile(xt, m, p, rows) runs the tile of `rows`
+// rows from m over panel p, with xt its rows interleaved [K, rows] (each broadcast at a fixed offset: 16 rows' own
+// pointers would take every register). Each weight is read once per tile and turned into floats in
+// registers once for all its rows; the panels go in blocks of about kPanelBlockBytes of weights
+// (panel_bytes each), every tile passing over a block while it stays in L2.
+constexpr int64_t kPanelBlockBytes = 384 << 10;
+
+template <typename Tile>
+void batch_tiles(const float * x, int64_t ldx, int64_t M, int64_t K, int64_t panel_bytes, int64_t p0, int64_t p1,
+                 Tile && tile) {
+    float * xt = scratch(M * K);
+    const int64_t nt = (M + 15) / 16;
+    auto bounds = [&](int64_t i) { return M * i / nt; };
+    for (int64_t i = 0; i < nt; ++i) {
+        const int64_t m = bounds(i), mr = bounds(i + 1) - m;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t r = 0; r < mr; ++r) xt[m * K + k * mr + r] = x[(m + r) * ldx + k];
+    }
+    const int64_t pb = std::max<int64_t>(1, kPanelBlockBytes / panel_bytes);
+    for (int64_t b0 = p0; b0 < p1; b0 += pb) {
+        const int64_t b1 = std::min(p1, b0 + pb);
+        for (int64_t i = 0; i < nt; ++i) {
+            const int64_t m = bounds(i), mr = bounds(i + 1) - m;
+            auto run = [&](auto rows) {
+                for (int64_t p = b0; p < b1; ++p) tile(xt + m * K, m, p, rows);
+            };
+            switch (mr) {
+                case 6: run(std::integral_constant<int, 6>()); break;
+                case 7: run(std::integral_constant<int, 7>()); break;
+                case 8: run(std::integral_constant<int, 8>()); break;
+                case 9: run(std::integral_constant<int, 9>()); break;
+                case 10: run(std::integral_constant<int, 10>()); break;
+                case 11: run(std::integral_constant<int, 11>()); break;
+                case 12: run(std::integral_constant<int, 12>()); break;
+                case 13: run(std::integral_constant<int, 13>()); break;
+                case 14: run(std::integral_constant<int, 14>()); break;
+                case 15: run(std::integral_constant<int, 15>()); break;
+                default: run(std::integral_constant<int, 16>()); break;
+            }
+        }
+    }
+}
+
 template <typename WT, typename BT, typename YT>
 void float_panels(const float * x, int64_t ldx, int64_t M, const WT * w, int64_t K, const BT * bias, YT * y,
                   int64_t N, int64_t ldy, int64_t p0, int64_t p1) {
@@ -69,6 +124,22 @@ void float_panels(const float * x, int64_t ldx, int64_t M, const WT * w, int64_t
                     out = acc;
                 },
                 N, bias, y, ldy, p0, p1);
+        });
+        return;
+    }
+    if (M <= kBatchRows) {
+        const int64_t panel_bytes = K * kW * sizeof(WT);
+        batch_tiles(x, ldx, M, K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+            constexpr int MR = decltype(rows)::value;
+            Acc<MR, 1> acc = acc_zero<MR, 1>();
+            const WT * wp = w + p * K * kW;
+#pragma GCC unroll 4
+            for (int64_t k = 0; k < K; ++k) {
+                const __m512 wv = load16(wp + k * kW);
+                for (int m = 0; m < MR; ++m) acc.v[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xt[k * MR + m]), wv, acc.v[m][0]);
+            }
+            tile_store<MR, 1>(acc, bias ? bias + p * kW : nullptr, std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW,
+                              ldy);
         });
         return;
     }
@@ -167,6 +238,48 @@ struct W4A16 : W4Panels<ST> {
             for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
     }
 
+    // Words ahead that tile_batch asks for (a prefetch past the panel's end is harmless).
+    static constexpr int64_t kPrefetchWords = 16;
+
+    // A decode batch's tile (batch_tiles): MR rows over panel p, all of K, each word converted in
+    // registers once for all MR rows (the GEMM's chunk would store and reload every weight for
+    // them); xt: the rows' xp interleaved [K, MR]; D in registers, T per group in part [MR, 16].
+    template <int MR, typename YT>
+    void tile_batch(const float * xt, int64_t m0, int64_t p, const float * bias, int64_t cols, YT * y,
+                    int64_t ldy) const {
+        const int64_t G = this->G;
+        const int32_t * wb = this->words(p);
+        alignas(64) float part[MR * kW];
+        for (int64_t g = 0; g < this->ng; ++g) {
+            Acc<MR, 1> d = acc_zero<MR, 1>();
+            for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+                // a panel's words are one line in four of its 64-wide panel's stream, a stride the
+                // hardware prefetchers do not follow: without this, each line costs a trip to memory
+                _mm_prefetch(reinterpret_cast<const char *>(wb + (c + kPrefetchWords) * kW4), _MM_HINT_T0);
+                const __m512i v = load_words(wb + c * kW4);
+                const float * xc = xt + 8 * c * MR;
+                __m512i mask = _mm512_set1_epi32(0xF);
+#pragma GCC unroll 7
+                for (int j = 0; j < 7; ++j) {
+                    const __m512 w = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+                    for (int m = 0; m < MR; ++m) d.v[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xc[j * MR + m]), w, d.v[m][0]);
+                    mask = _mm512_slli_epi32(mask, 4);
+                }
+                const __m512 w = nibble<7>(v);
+                for (int m = 0; m < MR; ++m) d.v[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xc[7 * MR + m]), w, d.v[m][0]);
+            }
+            const __m512 sv = load16(this->scales(p) + g * kW4);
+            for (int m = 0; m < MR; ++m) {
+                const __m512 t = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + m * kW);
+                _mm512_store_ps(part + m * kW, _mm512_fmadd_ps(sv, d.v[m][0], t));
+            }
+        }
+        Acc<MR, 1> u;
+        this->template mins_sum<MR, 1>(m0, p, u);
+        for (int m = 0; m < MR; ++m) u.v[m][0] = _mm512_add_ps(_mm512_load_ps(part + m * kW), u.v[m][0]);
+        tile_store<MR, 1>(u, bias, cols, y, ldy);
+    }
+
     // qp of panel p, k in [k0, k0 + kc) (multiples of 8), into buf [kc, 16].
     void chunk(int64_t p, int64_t k0, int64_t kc, float * buf) const {
         const int32_t * wp = this->words(p);
@@ -242,6 +355,14 @@ void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias,
         });
         return;
     }
+    if (M <= kBatchRows) {
+        const int64_t panel_bytes = a.K / 2 * kW + 2 * a.ng * kW * sizeof(ST);  // words, scales and mins
+        batch_tiles(a.xp, a.K, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+            a.template tile_batch<decltype(rows)::value>(xt, m, p, bias ? bias + p * kW : nullptr,
+                                                         std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
+        });
+        return;
+    }
     quant_gemm(a, M, N, bias, y, ldy, p0, p1);
 }
 
@@ -301,6 +422,28 @@ struct W8Panels {
         for (int64_t k = k0; k < k0 + kc; ++k) _mm512_storeu_ps(buf + (k - k0) * kW, widen_q(panel(p) + k * kW));
     }
 
+    // A decode batch's tile (batch_tiles) over xt [K, MR], as W4A16::tile_batch.
+    template <int MR, typename YT>
+    void tile_batch(const float * xt, int64_t p, const float * bias, int64_t cols, YT * y, int64_t ldy) const {
+        const int8_t * wp = panel(p);
+        alignas(64) float part[MR * kW];
+        for (int64_t g = 0; g < ng; ++g) {
+            Acc<MR, 1> d = acc_zero<MR, 1>();
+#pragma GCC unroll 4
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                const __m512 w = widen_q(wp + k * kW);
+                for (int m = 0; m < MR; ++m) d.v[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xt[k * MR + m]), w, d.v[m][0]);
+            }
+            const __m512 sv = load16(scales(p) + g * kW);
+            for (int m = 0; m < MR; ++m) {
+                const __m512 t = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + m * kW);
+                _mm512_store_ps(part + m * kW, _mm512_fmadd_ps(sv, d.v[m][0], t));
+            }
+        }
+        Acc<MR, 1> acc;
+        for (int m = 0; m < MR; ++m) acc.v[m][0] = _mm512_load_ps(part + m * kW);
+        tile_store<MR, 1>(acc, bias, cols, y, ldy);
+    }
 };
 
 // W8A16 over the rows x (stride ldx): the GEMM's tiles.
@@ -338,19 +481,12 @@ constexpr int w8_np(int mr) { return mr == 1 ? 8 : 1; }
 template <typename ST, typename YT>
 void w8a16_panels(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t M, int64_t N, const float * bias, YT * y,
                   int64_t ldy, int64_t p0, int64_t p1) {
-    if (M > 5 && M <= 40) {  // a decode step's batch: per panel, its rows in tiles of five (as the AVX2 kernel)
-        for (int64_t p = p0; p < p1; ++p) {
-            const float * b = bias ? bias + p * kW : nullptr;
-            const int64_t cols = std::min<int64_t>(kW, N - p * kW);
-            for (int64_t m = 0; m < M; m += 5) {
-                small_m(std::min<int64_t>(5, M - m), [&](auto mr) {
-                    constexpr int MR = decltype(mr)::value;
-                    Acc<MR, 1> acc;
-                    a.template tile<MR, 1>(x + m * ldx, ldx, p, acc);
-                    tile_store<MR, 1>(acc, b, cols, y + m * ldy + p * kW, ldy);
-                });
-            }
-        }
+    if (M > 5 && M <= kBatchRows) {
+        const int64_t panel_bytes = a.K * kW + a.ng * kW * sizeof(ST);
+        batch_tiles(x, ldx, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+            a.template tile_batch<decltype(rows)::value>(xt, p, bias ? bias + p * kW : nullptr,
+                                                         std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
+        });
         return;
     }
     if (M <= 5) {
