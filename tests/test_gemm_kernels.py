@@ -319,6 +319,18 @@ def test_many_panels_and_row_tiles_equal_reference(M, kernel_isa):
     assert torch.equal(got, w8a16_packed(x, panels, None, 800, reference=True))
 
 
+def test_rows_past_the_interleave_limit_equal_reference(kernel_isa):
+    """Past 2^20 elements of x the AVX-512 kernels take the GEMM instead of 16-row tiles: the same bits."""
+    M, K, N = 1100, 960, 40
+    x = rand(M, K, seed=24)
+    packed = pack(rand(N, K, seed=25))
+    assert torch.equal(linear_packed(x, packed, None, N), linear_packed(x, packed, None, N, reference=True))
+    panels = pack_w4a16(*rand_w4a16(N, K, 32, seed=26))
+    assert torch.equal(w4a16_packed(x, panels, None, N), w4a16_packed(x, panels, None, N, reference=True))
+    panels = pack_w8a16(*rand_w8a16(N, K, 32, seed=27))
+    assert torch.equal(w8a16_packed(x, panels, None, N), w8a16_packed(x, panels, None, N, reference=True))
+
+
 # -- bad arguments ---------------------------------------------------------------------------------
 
 def test_bad_arguments_are_clear_errors():

@@ -96,7 +96,30 @@ const float * f32_rows(const TensorView & x, std::vector<float> & converted, int
     return converted.data();
 }
 
+// x's rows for the AVX-512 kernels: interleaved into `buf` where they take them so (gemm.h), by
+// tiles across the threads (once, not once per thread of the matmul); else x itself.
+const float * avx512_rows(const float * x, int64_t ldx, int64_t M, int64_t K, std::vector<float> & buf) {
+    if (!avx512::rows_interleaved(M, K)) return x;
+    buf.resize(M * K);
+    const int64_t nt = row_tiles(M);
+    parallel(static_cast<int>(std::min<int64_t>(prepare_threads(M, K), nt)), [&](int t, int n) {
+        interleave_rows(x, ldx, M, K, nt * t / n, nt * (t + 1) / n, buf.data());
+    });
+    return buf.data();
+}
+
 }  // namespace
+
+void interleave_rows(const float * x, int64_t ldx, int64_t M, int64_t K, int64_t t0, int64_t t1, float * xt) {
+    for (int64_t i = t0; i < t1; ++i) {
+        const int64_t m = tile_row(M, i), mr = tile_row(M, i + 1) - m;
+        float * out = xt + m * K;
+        for (int64_t r = 0; r < mr; ++r) {
+            const float * row = x + (m + r) * ldx;
+            for (int64_t k = 0; k < K; ++k) out[k * mr + r] = row[k];
+        }
+    }
+}
 
 void linear_packed(const TensorView & x, const TensorView & packed, const TensorView * bias, const TensorView & y,
                    bool reference) {
@@ -112,6 +135,8 @@ void linear_packed(const TensorView & x, const TensorView & packed, const Tensor
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
     const bool wide = isa_at_least(Isa::avx512);
+    std::vector<float> interleaved;
+    if (wide) xf = avx512_rows(xf, ldx, M, K, interleaved);
     split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
         (wide ? avx512::linear_packed_panels : avx2::linear_packed_panels)(xf, ldx, M, packed, bias, y, p0, p1);
     });
@@ -142,6 +167,8 @@ void linear_w8a16_packed(const TensorView & x, const TensorView & qpanels, const
     std::vector<float> converted;
     int64_t ldx = 0;
     const float * xf = f32_rows(x, converted, ldx);
+    std::vector<float> interleaved;
+    if (isa_at_least(Isa::avx512)) xf = avx512_rows(xf, ldx, M, K, interleaved);
     const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w8a16_packed_panels
                                                   : avx2::linear_w8a16_packed_panels;
     split_panels(M, N, K, [&](int64_t p0, int64_t p1) { panels(xf, ldx, M, qpanels, spanels, bias, y, p0, p1); });
@@ -206,10 +233,12 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
             parallel(prepare_threads(M, K), [&](int t, int nt) {
                 avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
             });
+            std::vector<float> interleaved;
+            const float * rows = isa_at_least(Isa::avx512) ? avx512_rows(xp.data(), K, M, K, interleaved) : xp.data();
             const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w4a16_packed_panels
                                                           : avx2::linear_w4a16_packed_panels;
             split_panels(M, N, K, [&](int64_t p0, int64_t p1) {
-                panels(xp.data(), xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
+                panels(rows, xsum.data(), M, qpanels, spanels, mpanels, bias, y, p0, p1);
             });
         });
 }

@@ -6,12 +6,12 @@
 // twice the FMA width where the core has 512-bit units (Intel), and VPDPBUSD, one instruction
 // for the multiply-add chain AVX2's W4A8 takes three for.
 //
-// Three paths, by M: M <= 5 (a decode row or a verification step) runs tiles of several panels with
-// the weights converted in registers; 6 <= M <= kBatchRows (a decode batch, a short prompt) runs
-// tiles of up to 16 rows by one panel (batch_tiles), each weight converted in registers once for all
-// the tile's rows (16 FMAs a weight vector hide the convert and the loads: near the core's FMA rate);
-// larger M (a prefill chunk) the GEMM, its chunks of a panel converted into a buffer once for every
-// tile of a block of rows (gemm_blocks.h).
+// Three paths: M <= 5 (a decode row or a verification step) runs tiles of several panels with the
+// weights converted in registers; M >= 6 (a decode batch, a prefill chunk) runs tiles of up to 16 rows
+// by one panel (batch_tiles) over x interleaved once by gemm.cc, each weight converted in registers
+// once for all the tile's rows (16 FMAs a weight vector hide the convert and the loads: near the
+// core's FMA rate); beyond 4 MiB of x (rows_interleaved), the GEMM, its chunks of a panel converted
+// into a buffer once for every tile of a block of rows kept in L2 (gemm_blocks.h).
 //
 // This file is compiled for AVX-512 by the target pragma below, after every header: the
 // standard library's templates it instantiates stay baseline code, as one translation unit's
@@ -49,38 +49,31 @@ float * scratch(int64_t n) {
 
 namespace lmd::cpu::avx512 {
 
+// M x K floats of x at most that are interleaved for batch_tiles (4 MiB, well inside L3, which they are
+// read from once per block of panels): the rest of larger matmuls take the GEMM, whose blocks of rows stay
+// in L2. At SmolLM2's shapes the tiles beat the GEMM at every M (2 threads, M = 512: float16 184-191 ->
+// 206-208 GFLOP/s over a layer, W4A16 168-169 -> 176-181; M = 16: 103-115 -> 112-165, 124-132 -> 166-182).
+bool rows_interleaved(int64_t M, int64_t K) { return M > 5 && M * K <= (int64_t{1} << 20); }
+
 namespace {
 
 // ---- float panels ----------------------------------------------------------------------------------
 
-// Rows up to which a matmul takes batch_tiles rather than the GEMM (gemm_blocks): at 512 rows the GEMM's
-// chunks, each met by 112 rows from L2, keep the small matmuls (N = 576) ~10% faster.
-constexpr int64_t kBatchRows = 64;
-
-// The rows x [M, K] (stride ldx) of a decode batch (6 <= M <= kBatchRows) in ceil(M / 16) tiles of
-// near-equal height (6 to 16), over the panels [p0, p1): tile(xt, m, p, rows) runs the tile of `rows`
-// rows from m over panel p, with xt its rows interleaved [K, rows] (each broadcast at a fixed offset: 16 rows' own
-// pointers would take every register). Each weight is read once per tile and turned into floats in
-// registers once for all its rows; the panels go in blocks of about kPanelBlockBytes of weights
-// (panel_bytes each), every tile passing over a block while it stays in L2.
+// A matmul of M >= 6 rows over the panels [p0, p1) in row_tiles(M) tiles (interleave_rows): tile(xt, m,
+// p, rows) runs the tile of `rows` rows from m over panel p, xt its rows interleaved. Each weight is
+// read once per tile and turned into floats in registers once for all its rows; the panels go in
+// blocks of about kPanelBlockBytes of weights (panel_bytes each), every tile passing over a block
+// while it stays in L2.
 constexpr int64_t kPanelBlockBytes = 384 << 10;
 
 template <typename Tile>
-void batch_tiles(const float * x, int64_t ldx, int64_t M, int64_t K, int64_t panel_bytes, int64_t p0, int64_t p1,
-                 Tile && tile) {
-    float * xt = scratch(M * K);
-    const int64_t nt = (M + 15) / 16;
-    auto bounds = [&](int64_t i) { return M * i / nt; };
-    for (int64_t i = 0; i < nt; ++i) {
-        const int64_t m = bounds(i), mr = bounds(i + 1) - m;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t r = 0; r < mr; ++r) xt[m * K + k * mr + r] = x[(m + r) * ldx + k];
-    }
+void batch_tiles(const float * xt, int64_t M, int64_t K, int64_t panel_bytes, int64_t p0, int64_t p1, Tile && tile) {
+    const int64_t nt = row_tiles(M);
     const int64_t pb = std::max<int64_t>(1, kPanelBlockBytes / panel_bytes);
     for (int64_t b0 = p0; b0 < p1; b0 += pb) {
         const int64_t b1 = std::min(p1, b0 + pb);
         for (int64_t i = 0; i < nt; ++i) {
-            const int64_t m = bounds(i), mr = bounds(i + 1) - m;
+            const int64_t m = tile_row(M, i), mr = tile_row(M, i + 1) - m;
             auto run = [&](auto rows) {
                 for (int64_t p = b0; p < b1; ++p) tile(xt + m * K, m, p, rows);
             };
@@ -127,9 +120,9 @@ void float_panels(const float * x, int64_t ldx, int64_t M, const WT * w, int64_t
         });
         return;
     }
-    if (M <= kBatchRows) {
+    if (rows_interleaved(M, K)) {
         const int64_t panel_bytes = K * kW * sizeof(WT);
-        batch_tiles(x, ldx, M, K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+        batch_tiles(x, M, K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
             constexpr int MR = decltype(rows)::value;
             Acc<MR, 1> acc = acc_zero<MR, 1>();
             const WT * wp = w + p * K * kW;
@@ -355,9 +348,9 @@ void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias,
         });
         return;
     }
-    if (M <= kBatchRows) {
+    if (rows_interleaved(M, a.K)) {
         const int64_t panel_bytes = a.K / 2 * kW + 2 * a.ng * kW * sizeof(ST);  // words, scales and mins
-        batch_tiles(a.xp, a.K, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+        batch_tiles(a.xp, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
             a.template tile_batch<decltype(rows)::value>(xt, m, p, bias ? bias + p * kW : nullptr,
                                                          std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
         });
@@ -481,9 +474,9 @@ constexpr int w8_np(int mr) { return mr == 1 ? 8 : 1; }
 template <typename ST, typename YT>
 void w8a16_panels(const W8Panels<ST> & a, const float * x, int64_t ldx, int64_t M, int64_t N, const float * bias, YT * y,
                   int64_t ldy, int64_t p0, int64_t p1) {
-    if (M > 5 && M <= kBatchRows) {
+    if (rows_interleaved(M, a.K)) {
         const int64_t panel_bytes = a.K * kW + a.ng * kW * sizeof(ST);
-        batch_tiles(x, ldx, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
+        batch_tiles(x, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
             a.template tile_batch<decltype(rows)::value>(xt, p, bias ? bias + p * kW : nullptr,
                                                          std::min<int64_t>(kW, N - p * kW), y + m * ldy + p * kW, ldy);
         });
