@@ -4,7 +4,22 @@ import pytest
 import torch
 
 # Two cores here: keep torch from oversubscribing them when tests run side by side.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+THREADS = min(2, os.cpu_count() or 1)
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def thread_counts_restored():
+    """Engines set torch's, the kernel library's and TurboMind's thread counts process-wide (many tests ask
+    for one thread): each test module starts from the session's counts, so one such module does not leave
+    every later one on a single core (the lite quality gates took 434 s instead of 268)."""
+    from lmd.kernels import ops
+    from lmd.turbomind import _turbomind
+    for get, set_ in ((torch.get_num_threads, torch.set_num_threads), (ops.num_threads, ops.set_num_threads),
+                      (_turbomind.num_threads, _turbomind.set_num_threads)):
+        if get() != THREADS:
+            set_(THREADS)
+    yield
 
 
 @pytest.fixture(scope='session')
