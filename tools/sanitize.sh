@@ -3,7 +3,7 @@
 # C++-facing tests run against it: every kernel against its reference, the model, the block
 # manager, the sampler and the engine thread. Any heap overflow, use-after-free or undefined
 # behaviour aborts the run with a report.
-#   bash tools/sanitize.sh [extra pytest args]      (build: build/sanitize, ~5.5 min at -O1 on 2 cores)
+#   bash tools/sanitize.sh [extra pytest args]      (build: build/sanitize, ~5 min at -O1 on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${LMD_SANITIZE_BUILD:-build/sanitize}
@@ -24,10 +24,10 @@ tests=(tests/test_native_kernels.py tests/test_quant_kernels.py tests/test_kv_qu
        tests/test_gpt_oss.py::test_turbomind_teacher_forced_logits_match_hf tests/test_olmo_glm.py
        tests/test_prompt_logprobs.py tests/test_speculative.py tests/test_tm_speculative.py tests/test_tm_draft.py
        tests/test_lora_kernel.py tests/test_tm_lora.py)
-# The build is -O1 (CMakeLists.txt): FMAs are contracted where -O3 inlines differently, so results move in
-# the last bits. The one quality gate in the list, int8 KV's greedy agreement with the float cache over
-# 64 tokens, is a property of the release build (the main suite checks it there); here its engine runs
-# under the sanitizers through test_kv_quant's other tests.
+# The build is -O1 (CMakeLists.txt), where GCC does not contract scalar a * b + c into FMAs as it does
+# from -O2, so results move in the last bits. The one quality gate in the list, int8 KV's greedy
+# agreement with the float cache over 64 tokens, is a property of the release build (the main suite
+# checks it there); here its engine runs under the sanitizers through test_kv_quant's other tests.
 skip=(--deselect 'tests/test_kv_quant.py::test_smollm2_greedy_tokens_through_the_engine[8]')
 # --capture=sys: a sanitizer report (written to fd 2) reaches the log instead of pytest's capture
 python -m pytest -q -p no:cacheprovider --capture=sys "${skip[@]}" "${tests[@]}" "$@"
