@@ -98,8 +98,9 @@ const float * f32_rows(const TensorView & x, std::vector<float> & converted, int
 
 // x's rows for the AVX-512 kernels: interleaved into `buf` where they take them so (gemm.h), by
 // tiles across the threads (once, not once per thread of the matmul); else x itself.
-const float * avx512_rows(const float * x, int64_t ldx, int64_t M, int64_t K, std::vector<float> & buf) {
-    if (!avx512::rows_interleaved(M, K)) return x;
+const float * avx512_rows(const float * x, int64_t ldx, int64_t M, int64_t K, std::vector<float> & buf,
+                         int64_t min_rows = 6) {
+    if (!avx512::rows_interleaved(M, K, min_rows)) return x;
     buf.resize(M * K);
     const int64_t nt = row_tiles(M);
     parallel(static_cast<int>(std::min<int64_t>(prepare_threads(M, K), nt)), [&](int t, int n) {
@@ -234,7 +235,7 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
                 avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
             });
             std::vector<float> interleaved;
-            const float * rows = isa_at_least(Isa::avx512) ? avx512_rows(xp.data(), K, M, K, interleaved) : xp.data();
+            const float * rows = isa_at_least(Isa::avx512) ? avx512_rows(xp.data(), K, M, K, interleaved, avx512::kW4a16BatchRows) : xp.data();
             const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w4a16_packed_panels
                                                           : avx2::linear_w4a16_packed_panels;
             split_panels(M, N, K, [&](int64_t p0, int64_t p1) {

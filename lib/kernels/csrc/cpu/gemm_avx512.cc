@@ -7,7 +7,7 @@
 // for the multiply-add chain AVX2's W4A8 takes three for.
 //
 // Three paths: M <= 5 (a decode row or a verification step) runs tiles of several panels with the
-// weights converted in registers; M >= 6 (a decode batch, a prefill chunk) runs tiles of up to 16 rows
+// weights converted in registers; M >= 6 (W4A16: 5; a decode batch, a prefill chunk) runs tiles of up to 16 rows
 // by one panel (batch_tiles) over x interleaved once by gemm.cc, each weight converted in registers
 // once for all the tile's rows (16 FMAs a weight vector hide the convert and the loads: near the
 // core's FMA rate); beyond 4 MiB of x (rows_interleaved), the GEMM, its chunks of a panel converted
@@ -53,7 +53,7 @@ namespace lmd::cpu::avx512 {
 // read from once per block of panels): the rest of larger matmuls take the GEMM, whose blocks of rows stay
 // in L2. At SmolLM2's shapes the tiles beat the GEMM at every M (2 threads, M = 512: float16 184-191 ->
 // 206-208 GFLOP/s over a layer, W4A16 168-169 -> 176-181; M = 16: 103-115 -> 112-165, 124-132 -> 166-182).
-bool rows_interleaved(int64_t M, int64_t K) { return M > 5 && M * K <= (int64_t{1} << 20); }
+bool rows_interleaved(int64_t M, int64_t K, int64_t min_rows) { return M >= min_rows && M * K <= (int64_t{1} << 20); }
 
 namespace {
 
@@ -78,6 +78,7 @@ void batch_tiles(const float * xt, int64_t M, int64_t K, int64_t panel_bytes, in
                 for (int64_t p = b0; p < b1; ++p) tile(xt + m * K, m, p, rows);
             };
             switch (mr) {
+                case 5: run(std::integral_constant<int, 5>()); break;
                 case 6: run(std::integral_constant<int, 6>()); break;
                 case 7: run(std::integral_constant<int, 7>()); break;
                 case 8: run(std::integral_constant<int, 8>()); break;
@@ -339,7 +340,7 @@ constexpr int w4_np(int mr) { return std::is_same_v<ST, f16> && mr == 1 ? 4 : sm
 template <typename ST, typename YT>
 void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0,
                   int64_t p1) {
-    if (M <= 5) {
+    if (M < kW4a16BatchRows) {
         small_m(M, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
             panels_small<MR, w4_np<ST>(MR)>(
@@ -348,7 +349,7 @@ void w4a16_panels(const W4A16<ST> & a, int64_t M, int64_t N, const float * bias,
         });
         return;
     }
-    if (rows_interleaved(M, a.K)) {
+    if (rows_interleaved(M, a.K, kW4a16BatchRows)) {
         const int64_t panel_bytes = a.K / 2 * kW + 2 * a.ng * kW * sizeof(ST);  // words, scales and mins
         batch_tiles(a.xp, M, a.K, panel_bytes, p0, p1, [&](const float * xt, int64_t m, int64_t p, auto rows) {
             a.template tile_batch<decltype(rows)::value>(xt, m, p, bias ? bias + p * kW : nullptr,
