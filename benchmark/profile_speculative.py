@@ -10,7 +10,9 @@ The prompts ask the model to copy, to continue and to summarise a passage of Eng
 summary few. Each answer is greedy, up to ``--max-new-tokens``; decode tokens/s is (tokens - 1)
 over the time from the first token to the last. ``acceptance_length`` is the mean tokens a
 verification step gives (1 + accepted drafts / drafts, from the engine's counters);
-``same_output`` says whether the answer equals the one without speculation (it must, for greedy).
+``same_output`` says whether the answer equals the one without speculation (it must, for greedy);
+``all`` is the workload's: its decode tokens over its decode time, all tasks together. lmd's engines
+run with ``adaptive_draft_length`` (the default); ``--fixed`` adds each draft length fixed.
 llama.cpp runs the same GGUF through llama-cpp-python: ``Llama`` without a draft model, then with
 ``LlamaPromptLookupDecoding(num_pred_tokens=K)``, streaming the same rendered prompt. On CPUs with AMX
 its repacked weight buffers crash (llama.cpp 0.3.36): they are turned off there, and the report says so.
@@ -47,15 +49,15 @@ def passage(num_words: int = 120) -> str:
 
 
 def lmd_side(model: str, backend: str, k: int | None, messages: dict, max_new_tokens: int,
-             draft_model: str | None = None) -> dict:
+             draft_model: str | None = None, adaptive: bool = True) -> dict:
     """One engine, with ``k`` drafted tokens a step (None: no speculation) by prompt lookup, or by
     ``draft_model``: per task its timing and answer."""
     from lmd import GenerationConfig, SpeculativeConfig, pipeline
     from lmd.backend import CONFIGS
     spec = None
     if k:
-        spec = SpeculativeConfig(num_speculative_tokens=k, **(dict(method='draft_target', model=draft_model)
-                                                               if draft_model else {}))
+        spec = SpeculativeConfig(num_speculative_tokens=k, adaptive_draft_length=adaptive,
+                                 **(dict(method='draft_target', model=draft_model) if draft_model else {}))
     config = CONFIGS[backend](session_len=2048, speculative_config=spec)
     out = {}
     with pipeline(model, backend=backend, backend_config=config) as pipe:
@@ -102,10 +104,19 @@ def llamacpp_side(path: str, k: int | None, prompts: dict, max_new_tokens: int, 
 
 
 def against(side: dict, base: dict) -> None:
-    """Each task's speedup over ``base`` (the same engine without speculation) and whether its answer is the same."""
+    """Each task's speedup over ``base`` (the same engine without speculation) and whether its answer is the
+    same; under 'all', the workload's: its decode tokens over its decode time, all tasks together."""
     for task, r in side.items():
         r['same_output'] = r['text'] == base[task]['text']
         r['speedup'] = round(r['decode_tok_s'] / base[task]['decode_tok_s'], 2)
+
+    def rate(s: dict) -> float:
+        rs = [r for t, r in s.items() if t != 'all']
+        return sum(r['tokens'] - 1 for r in rs) / sum((r['tokens'] - 1) / r['decode_tok_s'] for r in rs)
+    rs = [r for t, r in side.items() if t != 'all']
+    side['all'] = dict(tokens=sum(r['tokens'] for r in rs), decode_tok_s=round(rate(side), 1),
+                       speedup=round(rate(side) / rate(base), 2), same_output=all(r['same_output'] for r in rs),
+                       text='')
 
 
 def parse_args(argv=None):
@@ -116,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument('--max-new-tokens', type=int, default=192)
     p.add_argument('--num-threads', type=int, default=DEFAULT_THREADS)
     p.add_argument('--no-llamacpp', action='store_true')
+    p.add_argument('--fixed', action='store_true',
+                   help='also run each draft length fixed (adaptive_draft_length=False: every step drafts all it can)')
     p.add_argument('--draft-model', default=None,
                    help='also run draft_target with this draft model (any model of the same vocabulary)')
     p.add_argument('--f16', action='store_true',
@@ -149,6 +162,11 @@ def main(argv=None) -> int:
             base = base or side
             against(side, base)
             report['runs'].append(dict(engine=f'lmd {backend}', draft_tokens=k, tasks=side))
+        for k in ks if args.fixed else []:
+            log(f'{backend}, draft tokens {k}, fixed length')
+            side = lmd_side(model, backend, k, messages, args.max_new_tokens, adaptive=False)
+            against(side, base)
+            report['runs'].append(dict(engine=f'lmd {backend}, fixed length', draft_tokens=k, tasks=side))
         if args.draft_model:
             for k in ks:
                 log(f'{backend}, draft model {args.draft_model}, draft tokens {k}')

@@ -131,12 +131,18 @@ class SpeculativeConfig:
     ``method``: 'ngram' (prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) or 'draft_target' (a
     smaller ``model`` sharing the tokenizer drafts).
+
+    ``adaptive_draft_length`` (lmd's): each step, each draft is cut to the length that pays on this
+    machine, from the measured cost of a verification row and the sequence's recent acceptance rate
+    (``lmd.kernels.ops.DraftLength``); ``num_speculative_tokens`` is then the most a step drafts. False:
+    always ``num_speculative_tokens`` where the proposer has them.
     """
     method: str = 'ngram'
     num_speculative_tokens: int = 4
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive_draft_length: bool = True
 
     def __post_init__(self):
         c = 'SpeculativeConfig'

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -399,8 +400,9 @@ class PytorchEngine(Engine):
         return model
 
     def _step(self) -> bool:
+        start = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.retain(self.scheduler.running)
+            self.proposer.begin_step(self.scheduler.running)
             for seq in self.scheduler.running:
                 seq.draft_token_ids = self.proposer.propose(seq)
         out: SchedulerOutput = self.scheduler.schedule()
@@ -446,8 +448,14 @@ class PytorchEngine(Engine):
         if sampled:
             for i, seq in enumerate(sampled):
                 self._on_token(seq, result.token_ids[i], result.logprobs[i], sampled_logits, i)
+        # a decode-only step (every row a sequence's next token or one of its drafts) teaches the
+        # proposer what a row costs; drafts as scheduled, before _verify settles them
+        decode_only = self.proposer is not None and all(
+            n == 1 + len(s.draft_token_ids) for s, n in zip(out.seqs, out.num_scheduled_tokens))
         for seq, row in drafted:
             self._verify(seq, logits, row)
+        if decode_only:
+            self.proposer.observe_step(sum(out.num_scheduled_tokens), time.perf_counter() - start)
         return True
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, row: int) -> None:
@@ -471,6 +479,7 @@ class PytorchEngine(Engine):
             if j == len(draft) or token != draft[j] or seq.status is not SequenceStatus.RUNNING:
                 break
             accepted += 1
+        self.proposer.observe(seq, len(draft), accepted)
         counts = self._spec_counts
         counts[0] += 1
         counts[1] += len(draft)

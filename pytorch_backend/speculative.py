@@ -1,18 +1,23 @@
 """Speculative decoding in the PyTorch engine: who drafts, and how many tokens.
 
-Each step, before scheduling, every running sequence that is decoding gets a draft from the
-proposer (``NgramProposer``: prompt lookup, the kernel library's ``ngram_propose``, the same
-function TurboMind's C++ engine calls; ``DraftModelProposer``: a smaller model's greedy continuation). The scheduler gives a drafted sequence its pending token
-and the draft in one chunk (``Sequence.draft_token_ids``; cut to the step's token budget), the
-model runner returns the logits of all of those rows, and the engine verifies them in order
-(``PytorchEngine._verify``): row j's token is chosen by the ordinary sampler from the request's
-state after the tokens accepted so far and handed on as any generated token; the draft's token j
-is accepted when it is that token, and the first token that differs (or the one after the last
-draft) ends the step. For greedy requests that is the output without speculation token for token;
-for sampled ones it is rejection sampling with a deterministic draft (accept d with probability
-p(d), else draw from p without d), so the target distribution is kept. The sequence's computed
-tokens then grow by one plus the accepted drafts; the rejected drafts' KV slots are overwritten by
-later tokens, and blocks past the sequence's tokens are given back (``Scheduler.accept_drafts``).
+Each step, before scheduling, every running sequence that is decoding gets a draft from the proposer
+(``NgramProposer``: prompt lookup, the kernel library's ``ngram_propose``, the same function
+TurboMind's C++ engine calls; ``DraftModelProposer``: a smaller model's greedy continuation). The
+scheduler gives a drafted sequence its pending token and the draft in one chunk
+(``Sequence.draft_token_ids``; cut to the step's token budget), the model runner returns the logits
+of all of those rows, and the engine verifies them in order (``PytorchEngine._verify``): row j's
+token is chosen by the ordinary sampler from the request's state after the tokens accepted so far
+and handed on as any generated token; the draft's token j is accepted when it is that token, and the
+first token that differs (or the one after the last draft) ends the step. For greedy requests that
+is the output without speculation token for token; for sampled ones it is rejection sampling with a
+deterministic draft (accept d with probability p(d), else draw from p without d), so the target
+distribution is kept. The sequence's computed tokens then grow by one plus the accepted drafts; the
+rejected drafts' KV slots are overwritten by later tokens, and blocks past the sequence's tokens are
+given back (``Scheduler.accept_drafts``).
+
+With ``SpeculativeConfig.adaptive_draft_length`` each draft is cut to the length that pays, by the
+kernel library's ``DraftLength`` (the policy TurboMind's C++ engine runs too): the engine reports the
+wall time and rows of its decode-only steps (``observe_step``) and each verified draft (``observe``).
 """
 from __future__ import annotations
 
@@ -29,16 +34,50 @@ class NgramProposer:
         self._propose = ops.ngram_propose
         self.config = config
         self.session_len = session_len
+        self._ops = ops
+        self.lengths = ops.DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
+        self._acceptance: dict[int, object] = {}  # id(sequence) -> its ops.DraftAcceptance
+        self._num_decoding = 1
+
+    def begin_step(self, running: list[Sequence]) -> None:
+        """Before this step's drafts: forget sequences no longer running, count those decoding."""
+        self.retain(running)
+        alive = {id(s) for s in running}
+        for key in [k for k in self._acceptance if k not in alive]:
+            del self._acceptance[key]
+        self._num_decoding = max(1, sum(s.num_tokens - s.num_computed_tokens == 1 for s in running))
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified draft of ``seq``: ``drafted`` tokens, the first ``accepted`` of them accepted."""
+        if self.lengths is not None:
+            self._acceptance_of(seq).observe(drafted, accepted)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step (every row a sequence's next token or one of its drafts) and its wall time."""
+        if self.lengths is not None:
+            self.lengths.observe_step(rows, seconds)
+
+    def _acceptance_of(self, seq: Sequence):
+        acc = self._acceptance.get(id(seq))
+        if acc is None:
+            acc = self._acceptance[id(seq)] = self._ops.DraftAcceptance()
+        return acc
 
     def draft_len(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may have drafted this step: none unless it is decoding (one token
         to compute) and generating on its own (not teacher-forced); never past max_new_tokens or the
-        session length, whichever the accepted drafts and the token after them would reach first."""
+        session length, whichever the accepted drafts and the token after them would reach first; with
+        adaptive_draft_length, only as many as pay. Called once per step and sequence."""
         if seq.num_tokens - seq.num_computed_tokens != 1 or seq.forced_token_ids is not None:
             return 0
         left_new = seq.sampling.max_new_tokens - seq.num_generated_tokens - 1
         left_ctx = self.session_len - seq.num_tokens - 1
-        return max(0, min(self.config.num_speculative_tokens, left_new, left_ctx))
+        k = max(0, min(self.config.num_speculative_tokens, left_new, left_ctx))
+        if self.lengths is not None:
+            acc = self._acceptance_of(seq)
+            acc.decay()
+            k = self.lengths.length(acc, self._num_decoding, k)
+        return k
 
     def retain(self, running: list[Sequence]) -> None:
         """Forget what the proposer keeps for sequences no longer in ``running`` (nothing, for prompt lookup)."""

@@ -132,7 +132,8 @@ class ModelGreedyProposer:
 
     def __init__(self, model, proposer):
         self.model, self.proposer = model, proposer
-        self.retain = proposer.retain
+        self.retain, self.begin_step = proposer.retain, proposer.begin_step
+        self.observe, self.observe_step = proposer.observe, proposer.observe_step
 
     @torch.no_grad()
     def propose(self, seq):

@@ -338,7 +338,7 @@ def _speculative_kwargs(spec: SpeculativeConfig | None) -> dict:
     if spec is None:
         return {}
     return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,
-                prompt_lookup_max=spec.prompt_lookup_max)
+                prompt_lookup_max=spec.prompt_lookup_max, adaptive_draft_length=spec.adaptive_draft_length)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -298,7 +298,8 @@ void bind_models(py::module_ & m) {
     py::class_<PyEngine>(m, "Engine", "TurboMind's batching engine: a C++ thread running a LlamaModel.")
         .def(py::init([](py::object model, int64_t max_batch_size, int64_t max_num_batched_tokens, int64_t session_len,
                          bool enable_prefix_caching, uint64_t sampler_seed, int64_t window, int32_t num_speculative_tokens,
-                         int32_t prompt_lookup_min, int32_t prompt_lookup_max, py::object draft_model) {
+                         int32_t prompt_lookup_min, int32_t prompt_lookup_max, py::object draft_model,
+                         bool adaptive_draft_length) {
                  PyLlamaModel & pm = model.cast<PyLlamaModel &>();
                  std::shared_ptr<LlamaModel> draft;
                  if (!draft_model.is_none()) {
@@ -332,6 +333,7 @@ void bind_models(py::module_ & m) {
                  c.num_speculative_tokens = num_speculative_tokens;
                  c.prompt_lookup_min = prompt_lookup_min;
                  c.prompt_lookup_max = prompt_lookup_max;
+                 c.adaptive_draft_length = adaptive_draft_length;
                  auto e = new PyEngine{model, draft_model, nullptr};
                  e->engine = std::make_unique<Engine>(pm.model, c, std::make_shared<PyConstraintOps>(), draft);
                  return e;
@@ -339,11 +341,11 @@ void bind_models(py::module_ & m) {
              py::arg("model"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"), py::arg("session_len"),
              py::arg("enable_prefix_caching"), py::arg("sampler_seed"), py::arg("window") = 0,
              py::arg("num_speculative_tokens") = 0, py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4,
-             py::arg("draft_model") = py::none(),
+             py::arg("draft_model") = py::none(), py::arg("adaptive_draft_length") = true,
              "num_speculative_tokens > 0: speculative decoding, each decoding sequence drafts up to that many tokens "
              "a step by n-gram prompt lookup (prompt_lookup_max down to prompt_lookup_min tokens matched), or, with "
              "draft_model (a LlamaModel of the same vocabulary, its KV cache the drafts' alone), by its greedy "
-             "continuation")
+             "continuation; with adaptive_draft_length, each draft only as long as pays (lmd.kernels.ops.DraftLength)")
         .def("add", [](PyEngine & self, int64_t session_id, std::vector<int32_t> token_ids, int64_t max_new_tokens,
                        py::handle sampling, bool sequence_start, bool sequence_end, py::object constraint,
                        int32_t adapter_slot, uint64_t adapter_uid) {

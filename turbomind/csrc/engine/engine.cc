@@ -16,7 +16,8 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, const EngineConfig & config,
       constraint_ops_(std::move(constraint_ops)),
       blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.window),
       scheduler_(blocks_, config.max_batch_size, config.max_num_batched_tokens),
-      sampler_(config.sampler_seed) {
+      sampler_(config.sampler_seed),
+      draft_length_(std::max(1, config.num_speculative_tokens)) {
     if (draft_model) {
         if (draft_model->config().vocab_size != model_->config().vocab_size) {
             throw std::invalid_argument("Engine: the draft model's vocabulary has " +
@@ -225,6 +226,7 @@ void Engine::on_add(Request & r) {
 
 // False when nothing could run (the queue's head waits for blocks).
 bool Engine::step() {
+    const auto start = std::chrono::steady_clock::now();
     propose_drafts();
     SchedulerOutput out = scheduler_.schedule();
     for (auto & [seq, why] : out.failed) {
@@ -251,7 +253,15 @@ bool Engine::step() {
             finish(seq, Finish::length);
         }
     }
+    // a decode-only step (every row a sequence's next token or one of its drafts) teaches the
+    // draft lengths what a row costs; drafts as scheduled, before verify settles them
+    int64_t decode_rows = 0;
+    for (Sequence * seq : out.seqs) decode_rows += 1 + static_cast<int64_t>(seq->draft_token_ids.size());
     verify(batch_.sampled());
+    if (config_.num_speculative_tokens > 0 && decode_rows == in.num_tokens) {
+        draft_length_.observe_step(in.num_tokens,
+                                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     return true;
 }
 
@@ -262,13 +272,18 @@ void Engine::propose_drafts() {
     if (config_.num_speculative_tokens <= 0) return;
     if (drafter_) drafter_->retain(scheduler_.running());
     std::vector<DraftRequest> requests;
+    int64_t num_decoding = 0;
+    for (Sequence * s : scheduler_.running()) num_decoding += s->num_tokens() - s->blocks.num_computed_tokens == 1;
     for (Sequence * s : scheduler_.running()) {
         EngineSequence * seq = of(s);
         const int64_t n = seq->num_tokens();
         if (n - seq->blocks.num_computed_tokens != 1) continue;  // still prefilling
-        const int64_t k = std::min({static_cast<int64_t>(config_.num_speculative_tokens),
-                                    seq->max_new_tokens - seq->num_generated_tokens() - 1,
-                                    config_.session_len - n - 1});
+        int64_t k = std::min({static_cast<int64_t>(config_.num_speculative_tokens),
+                              seq->max_new_tokens - seq->num_generated_tokens() - 1, config_.session_len - n - 1});
+        if (config_.adaptive_draft_length) {
+            seq->draft_acceptance.decay();
+            k = draft_length_.length(seq->draft_acceptance, num_decoding, k);
+        }
         if (k <= 0) continue;
         if (drafter_) {
             requests.push_back({seq->session_id, &seq->blocks.token_ids, k, &seq->draft_token_ids});
@@ -326,6 +341,7 @@ void Engine::verify(const std::vector<Sequence *> & sampled) {
 // A drafted sequence's accepted drafts count as computed, the blocks of the rest go back.
 void Engine::commit_draft(EngineSequence * seq) {
     if (seq->draft_token_ids.empty()) return;
+    seq->draft_acceptance.observe(static_cast<int64_t>(seq->draft_token_ids.size()), seq->num_accepted_drafts);
     spec_num_accepted_tokens_ += seq->num_accepted_drafts;
     scheduler_.accept_draft(seq, seq->num_accepted_drafts);
     seq->num_accepted_drafts = 0;

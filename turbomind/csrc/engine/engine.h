@@ -51,6 +51,7 @@
 
 #include "engine/batch.h"
 #include "engine/block_manager.h"
+#include "cpu/draft_length.h"
 #include "engine/draft.h"
 #include "engine/notifier.h"
 #include "engine/sampler.h"
@@ -125,6 +126,9 @@ struct EngineConfig {
     // one, else by n-gram prompt lookup over the lengths prompt_lookup_max down to prompt_lookup_min
     int32_t num_speculative_tokens = 0;
     int32_t prompt_lookup_min = 1, prompt_lookup_max = 4;
+    // cut each draft to the length that pays on this machine (cpu/draft_length.h); false: always
+    // num_speculative_tokens where the proposer has them
+    bool adaptive_draft_length = true;
 };
 
 struct EngineStats {
@@ -187,6 +191,7 @@ private:
         std::vector<int32_t> step_token_ids;
         std::vector<std::vector<TokenLogprob>> step_logprobs;
         int64_t num_accepted_drafts = 0;
+        lmd::cpu::DraftAcceptance draft_acceptance;  // its recent drafts (adaptive_draft_length)
     };
     // every sequence the scheduler holds is one of the engine's
     static EngineSequence * of(Sequence * seq) { return static_cast<EngineSequence *>(seq); }
@@ -227,6 +232,7 @@ private:
     Batch batch_;
     Sampler sampler_;
     std::unique_ptr<DraftProposer> drafter_;  // null: drafts by prompt lookup
+    lmd::cpu::DraftLength draft_length_;      // the draft lengths that pay (adaptive_draft_length)
 
     // engine thread only
     std::unordered_map<int64_t, std::unique_ptr<EngineSequence>> seqs_;

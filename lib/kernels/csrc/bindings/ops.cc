@@ -16,6 +16,7 @@
 #include "bindings/kv_cache.h"
 #include "cpu/kernels.h"
 #include "cpu/lora.h"
+#include "cpu/draft_length.h"
 #include "cpu/ngram.h"
 
 namespace py = pybind11;
@@ -265,6 +266,31 @@ void bind_ops(py::module_ & m) {
             }, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("k"),
             "Prompt-lookup draft (speculative decoding): the up to k tokens that followed the latest earlier "
             "occurrence of the longest suffix of tokens (max_n down to min_n long); [] when none occurred.");
+    py::class_<cpu::DraftAcceptance>(ops, "DraftAcceptance",
+                                     "A sequence's recent drafts (speculative decoding): tokens accepted and drafts "
+                                     "with a rejection, both decaying (cpu/draft_length.h).")
+        .def(py::init<>())
+        .def_readwrite("accepted", &cpu::DraftAcceptance::accepted)
+        .def_readwrite("rejected", &cpu::DraftAcceptance::rejected)
+        .def("rate", &cpu::DraftAcceptance::rate, "The chance the next drafted token is accepted.")
+        .def("decay", &cpu::DraftAcceptance::decay, "Once per decoding step, drafted or not.")
+        .def("observe", &cpu::DraftAcceptance::observe, py::arg("drafted"), py::arg("accepted"),
+             "A verified draft of `drafted` tokens, the first `accepted` of them accepted.");
+    py::class_<cpu::DraftLength>(ops, "DraftLength",
+                                 "The draft length that pays, from a fit of decode-only steps' wall time over their "
+                                 "rows and each sequence's acceptance rate (cpu/draft_length.h).")
+        .def(py::init([](int64_t max_tokens) {
+                 if (max_tokens < 1) throw py::value_error("DraftLength: max_tokens must be >= 1, got " +
+                                                           std::to_string(max_tokens));
+                 return cpu::DraftLength(max_tokens);
+             }), py::arg("max_tokens"))
+        .def("observe_step", &cpu::DraftLength::observe_step, py::arg("rows"), py::arg("seconds"),
+             "A step whose every row was a decoding sequence's token or draft.")
+        .def("threshold", &cpu::DraftLength::threshold, py::arg("num_decoding"))
+        .def("length", &cpu::DraftLength::length, py::arg("acceptance"), py::arg("num_decoding"), py::arg("limit"),
+             "Drafted tokens for a sequence this step (0: none), at most min(max_tokens, limit).")
+        .def_property_readonly("step_seconds", &cpu::DraftLength::step_seconds)
+        .def_property_readonly("row_seconds", &cpu::DraftLength::row_seconds);
     ops.def("set_num_threads", &cpu::set_num_threads, py::arg("n"), "Threads per kernel (0: one per processor).");
     ops.def("num_threads", &cpu::num_threads);
     ops.def("isa", &cpu::isa, "The kernels in use: 'avx512', 'avx2' or 'ref' (the scalar reference).");
