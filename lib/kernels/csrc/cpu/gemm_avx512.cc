@@ -198,6 +198,9 @@ struct W4A16 : W4Panels<ST> {
         const int64_t K = this->K, G = this->G;
         const int32_t * wb[NP];
         for (int i = 0; i < NP; ++i) wb[i] = this->words(p + i);
+        // U (the mins' chain) in the group loop for one row, after it for more: there its MR x NP
+        // registers would crowd out D's and T's (at 3 rows by 4 panels, 40 zmm of 32); same chain, same bits
+        constexpr bool kMinsInLoop = MR == 1;
         Acc<MR, NP> t = acc_zero<MR, NP>(), u = acc_zero<MR, NP>();
         for (int64_t g = 0; g < this->ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
@@ -221,13 +224,17 @@ struct W4A16 : W4Panels<ST> {
                 }
             }
             for (int i = 0; i < NP; ++i) {
-                const __m512 sv = load16(this->scales(p + i) + g * kW4), mv = load16(this->mins(p + i) + g * kW4);
+                const __m512 sv = load16(this->scales(p + i) + g * kW4);
                 for (int m = 0; m < MR; ++m) {
                     t.v[m][i] = _mm512_fmadd_ps(sv, d.v[m][i], t.v[m][i]);
-                    u.v[m][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(this->xsum[m * this->ng + g]), u.v[m][i]);
+                    if constexpr (kMinsInLoop) {
+                        const __m512 mv = load16(this->mins(p + i) + g * kW4);
+                        u.v[m][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(this->xsum[m * this->ng + g]), u.v[m][i]);
+                    }
                 }
             }
         }
+        if constexpr (!kMinsInLoop) this->template mins_sum<MR, NP>(0, p, u);
         for (int m = 0; m < MR; ++m)
             for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
     }
@@ -393,7 +400,10 @@ struct W8Panels {
 
     template <int MR, int NP>
     void tile(const float * x, int64_t ldx, int64_t p, Acc<MR, NP> & out) const {
-        Acc<MR, NP> t = acc_zero<MR, NP>();
+        // U (the mins' chain) in the group loop for one row, after it for more: there its MR x NP
+        // registers would crowd out D's and T's (at 3 rows by 4 panels, 40 zmm of 32); same chain, same bits
+        constexpr bool kMinsInLoop = MR == 1;
+        Acc<MR, NP> t = acc_zero<MR, NP>(), u = acc_zero<MR, NP>();
         for (int64_t g = 0; g < ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
             for (int64_t k = g * G; k < (g + 1) * G; ++k) {
