@@ -5,9 +5,10 @@ the panels of ``ops.pack_linear``) and ``torch.matmul``, for float32 and float16
 ``--dtypes w4a16``, ``ops.linear_w4a16`` against ``ops.linear_w4a16_packed`` (float32
 activations, groups of 32), ``ops.linear_w4a8_packed`` (the same panels, activations quantized
 to int8 per 32: ``w4a8_packed``) and torch on the dequantized weights; with ``--dtypes w8a16``
-(GGUF Q8_0's layout, SmolLM2's lm_head), ``ops.linear_w8a16`` against ``ops.linear_w8a8_group``
-(activations int8 per 32: ``w8a8_group``); with ``--dtypes gguf``, ``ops.linear_gguf`` for every
-GGUF block type whose block divides K (``Q5_0 a16`` float activations, ``Q5_0 a8`` int8).
+(GGUF Q8_0's layout, SmolLM2's lm_head), ``ops.linear_w8a16`` and ``ops.linear_w8a16_packed``
+(the panels TurboMind runs) against ``ops.linear_w8a8_group`` (activations int8 per 32:
+``w8a8_group``); with ``--dtypes gguf``, ``ops.linear_gguf`` for every GGUF block type whose
+block divides K (``Q5_0 a16`` float activations, ``Q5_0 a8`` int8).
 
     python benchmark/gemm_cpu.py                      # float32 and float16, 2 threads
     python benchmark/gemm_cpu.py --dtypes w4a16
@@ -103,8 +104,13 @@ def w8a16_kernels(M: int, N: int, K: int, g: torch.Generator) -> dict:
     x_h, q_h, s_h = dl(x), ops.HostTensor(dl(q)), ops.HostTensor(dl(s))
     yo_h, yn_h = dl(torch.empty(M, N)), dl(torch.empty(M, N))
     w = q.float() * s.repeat_interleave(W4A16_GROUP, 1)
+    P = (N + 15) // 16
+    qp, sp = torch.empty(P, K, 16, dtype=torch.int8), torch.empty(P, K // W4A16_GROUP, 16)
+    ops.pack_w8a16(dl(q), dl(s), dl(qp), dl(sp))
+    qp_h, sp_h = ops.HostTensor(dl(qp)), ops.HostTensor(dl(sp))
     return {
         'linear': lambda: ops.linear_w8a16(x_h, q_h, s_h, None, yo_h, W4A16_GROUP),
+        'linear_packed': lambda: ops.linear_w8a16_packed(x_h, qp_h, sp_h, None, yo_h),
         'w8a8_group': lambda: ops.linear_w8a8_group(x_h, q_h, s_h, None, yn_h, W4A16_GROUP),
         'torch': lambda: torch.matmul(x, w.T),
     }

@@ -62,7 +62,9 @@ from lmd.pytorch_backend import PytorchEngine  # noqa: E402
 from test_pytorch_engine import TINY, Collector, assert_no_leak  # noqa: E402
 from tiny_models import saved_models, tiny_hf_model  # noqa: E402
 
-NGRAM = SpeculativeConfig(method='ngram', num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+# the fixed length: these tests count drafts, and the adaptive length follows the step times (test_adaptive_*)
+NGRAM = SpeculativeConfig(method='ngram', num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                          adaptive_draft_length=False)
 
 
 @pytest.fixture(scope='module')
@@ -144,6 +146,31 @@ class ModelGreedyProposer:
         return tuple(draft)
 
 
+def test_pytorch_adaptive_draft_length_is_the_output_without(tiny_llama):
+    """The default adaptive length drafts what its timing fit says pays, whatever that is on this
+    machine: the output is the one without speculation, and no draft exceeds num_speculative_tokens."""
+    rng = random.Random(4)
+    prompts = looping_prompts(rng, 4)
+    sampling = [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, logprobs=2),
+                SamplingParams(max_new_tokens=40, repetition_penalty=1.3), SamplingParams(max_new_tokens=29)]
+    with pt_engine(tiny_llama[1]) as engine:
+        want = run(engine, prompts, sampling)
+    adaptive = SpeculativeConfig(method='ngram', num_speculative_tokens=4, prompt_lookup_max=3)
+    with pt_engine(tiny_llama[1], adaptive) as engine:
+        assert engine.proposer.lengths is not None
+        got = run(engine, prompts, sampling)
+        stats = engine.stats()
+        assert_no_leak(engine)
+    for i in range(len(prompts)):
+        assert got.tokens(i) == want.tokens(i), i
+        assert got.final(i).finish_reason == want.final(i).finish_reason, i
+    got_lps, want_lps = logprobs_of(got, 1), logprobs_of(want, 1)
+    assert len(got_lps) == len(want_lps) == 40
+    for g, w in zip(got_lps, want_lps):  # a verification row's logits are the one-row step's within float error
+        assert list(g) == list(w) and max(abs(g[t] - w[t]) for t in g) < 1e-4
+    assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens <= 4 * stats.spec_num_drafts, stats
+
+
 def test_pytorch_sampled_with_drafts_is_the_sample_without(tiny_llama):
     """Verification draws each row's token from the request's own generator, one draw per token as
     without speculation, and accepts a draft only when the draw is that token (rejection sampling with
@@ -208,7 +235,8 @@ def test_pytorch_draft_model_greedy_is_the_output_without(tiny_llama, tmp_path):
     for draft, sampling in ((tiny_llama[1], greedy), (str(other), mixed)):
         with pt_engine(tiny_llama[1]) as engine:
             want = run(engine, prompts, sampling)
-        spec = SpeculativeConfig(method='draft_target', model=draft, num_speculative_tokens=3)
+        spec = SpeculativeConfig(method='draft_target', model=draft, num_speculative_tokens=3,
+                                 adaptive_draft_length=False)
         with pt_engine(tiny_llama[1], spec) as engine:
             got = run(engine, prompts, sampling)
             stats = engine.stats()
@@ -228,7 +256,7 @@ def test_pytorch_draft_model_greedy_is_the_output_without(tiny_llama, tmp_path):
 def test_draft_model_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
     other = tmp_path / 'draft'
     tiny_hf_model('LlamaConfig', 'LlamaForCausalLM', **dict(TINY, vocab_size=256))[0].save_pretrained(other)
-    spec = SpeculativeConfig(method='draft_target', model=str(other))
+    spec = SpeculativeConfig(method='draft_target', model=str(other), adaptive_draft_length=False)
     with pytest.raises(ValueError, match='vocabulary has 256 tokens'):
         pt_engine(tiny_llama[1], spec)
 

@@ -20,7 +20,7 @@ from test_tm_speculative import RUN, finish_checks, tiny  # noqa: F401 (tiny: th
 from tiny_models import tiny_hf_model
 
 
-def draft(path: str, k: int = 4, adaptive: bool = True) -> SpeculativeConfig:
+def draft(path: str, k: int = 4, adaptive: bool = False) -> SpeculativeConfig:  # fixed: the tests count drafts
     return SpeculativeConfig(method='draft_target', model=path, num_speculative_tokens=k,
                              adaptive_draft_length=adaptive)
 
@@ -109,7 +109,7 @@ def test_self_draft_accepts_every_greedy_draft(tiny, budget, prefix_caching):  #
     sp = SamplingParams(max_new_tokens=30)
     cfg = dict(max_prefill_token_num=budget, enable_prefix_caching=prefix_caching)
     base, _, _ = run(tiny[1], None, prompts, sp, **cfg)
-    spec, st, _ = run(tiny[1], draft(tiny[1], k=5, adaptive=False), prompts, sp, **cfg)  # drafts of 5 each step
+    spec, st, _ = run(tiny[1], draft(tiny[1], k=5), prompts, sp, **cfg)  # drafts of 5 each step
     assert spec[0] == base[0]
     assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens == st.spec_num_draft_tokens
     if budget >= 6 * len(prompts):  # every drafted step whole: the first token from the prefill, then 1 + 5 a step

@@ -108,7 +108,10 @@ def test_several_adapters_in_one_batch_decode_as_peft(tiny, speculative):
     model, base, adapters = tiny('llama')
     names = [None, *adapters] * 2
     prompts = [PROMPT[i % 5:] + [i + 20] + PROMPT[:3] for i in range(len(names))]
-    spec = SpeculativeConfig(method='ngram', num_speculative_tokens=3, prompt_lookup_min=1) if speculative else None
+    spec = None
+    if speculative:
+        spec = SpeculativeConfig(method='ngram', num_speculative_tokens=3, prompt_lookup_min=1,
+                                 adaptive_draft_length=False)
     with engine_with(base, adapters, max_prefill_token_num=24, speculative_config=spec) as engine:
         col = Collector()
         for sid, (name, p) in enumerate(zip(names, prompts)):

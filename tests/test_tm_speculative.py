@@ -19,7 +19,8 @@ from test_pytorch_engine import TINY, Collector, generate
 from tiny_models import tiny_hf_model
 
 ep = _turbomind.engine_parts
-SPEC = SpeculativeConfig(num_speculative_tokens=4)
+# the fixed length: these tests count drafts, and the adaptive length (test_adaptive_*) follows the step times
+SPEC = SpeculativeConfig(num_speculative_tokens=4, adaptive_draft_length=False)
 RUN = 487  # the tiny model's most self-repeating token (p(487 | 487 x 8) = 0.44): drafts of it are often right
 
 
@@ -53,11 +54,11 @@ def finish_checks(engine):
     return st
 
 
-def run_both(path, prompts, sampling, **cfg):
-    """(outputs without speculation, outputs with it, the speculating engine's stats); outputs are
+def run_both(path, prompts, sampling, spec=SPEC, **cfg):
+    """(outputs without speculation, outputs with ``spec``, the speculating engine's stats); outputs are
     (token lists, finish reasons, logprobs, prompt logprobs per request)."""
     runs = []
-    for spec in (None, SPEC):
+    for spec in (None, spec):
         with tm(path, spec, **cfg) as engine:
             col = Collector()
             for i, p in enumerate(prompts):
@@ -95,6 +96,21 @@ def test_mixed_batch_equals_output_without_speculation(tiny):
     assert spec[3] == base[3] and len(base[3][8]) == 1  # prompt logprobs, once
     assert base[1][6] == 'stop' and base[1][7] == 'length' and len(base[0][7]) == 12
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens and st.spec_num_drafts > 0
+
+
+def test_adaptive_draft_length_equals_output_without_speculation(tiny):
+    """The default adaptive length (cpu/draft_length.h) drafts what its timing fit says pays, whatever
+    that is on this machine: outputs stay the ones without speculation, the blocks add up after every
+    step, and no draft is longer than num_speculative_tokens."""
+    rng = random.Random(11)
+    phrase = [rng.randrange(512) for _ in range(6)]
+    prompts = [phrase * 4, [RUN] * 16, phrase * 2 + [rng.randrange(512) for _ in range(12)], [RUN] * 9]
+    sampling = [SamplingParams(max_new_tokens=48), SamplingParams(max_new_tokens=48, logprobs=2),
+                SamplingParams(max_new_tokens=48, greedy=False, top_p=0.9, random_seed=7),
+                SamplingParams(max_new_tokens=48, repetition_penalty=1.2)]
+    base, spec, st = run_both(tiny[1], prompts, sampling, spec=SpeculativeConfig(num_speculative_tokens=4))
+    assert spec == base
+    assert st.spec_num_accepted_tokens <= st.spec_num_draft_tokens <= 4 * st.spec_num_drafts
 
 
 def test_sliding_window_model_with_drafts(tmp_path):

@@ -233,9 +233,13 @@ bool Engine::step() {
         finish(of(seq), Finish::error, {}, {}, "session " + std::to_string(seq->session_id) + ": " + why);
     }
     if (out.empty()) return !out.failed.empty();
+    // a decode-only step (every row a sequence's next token or one of its drafts) teaches the draft
+    // lengths what a row costs: its rows counted here, as scheduled (a sequence may finish, and go, within it)
+    int64_t decode_rows = 0;
     for (Sequence * seq : out.seqs) {  // the drafts as scheduled
         spec_num_drafts_ += !seq->draft_token_ids.empty();
         spec_num_draft_tokens_ += static_cast<int64_t>(seq->draft_token_ids.size());
+        decode_rows += 1 + static_cast<int64_t>(seq->draft_token_ids.size());
     }
     seq_rows_.resize(out.seqs.size());
     for (size_t i = 0; i < out.seqs.size(); ++i) {
@@ -244,6 +248,7 @@ bool Engine::step() {
         seq_rows_[i].prompt_logprobs_from = seq->wants_prompt_logprobs ? (int64_t) seq->prompt_logprobs.size() : -1;
     }
     const StepInputs & in = batch_.build(out, config_.block_size, &seq_rows_);
+    const bool decode_only = decode_rows == in.num_tokens;
     if (!forward(in, out)) return true;
     scheduler_.update(out);
     read_prompt_logprobs(out);
@@ -253,13 +258,9 @@ bool Engine::step() {
             finish(seq, Finish::length);
         }
     }
-    // a decode-only step (every row a sequence's next token or one of its drafts) teaches the
-    // draft lengths what a row costs; drafts as scheduled, before verify settles them
-    int64_t decode_rows = 0;
-    for (Sequence * seq : out.seqs) decode_rows += 1 + static_cast<int64_t>(seq->draft_token_ids.size());
     verify(batch_.sampled());
-    if (config_.num_speculative_tokens > 0 && decode_rows == in.num_tokens) {
-        draft_length_.observe_step(in.num_tokens,
+    if (config_.num_speculative_tokens > 0 && decode_only) {
+        draft_length_.observe_step(decode_rows,
                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     return true;
