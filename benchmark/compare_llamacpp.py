@@ -392,7 +392,8 @@ def parse_args(argv=None):
                    help="llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama-cpp-python "
                         '0.3.36 crashes in them on quantized types')
     p.add_argument('--f16-gguf', default=None,
-                   help=f'llama.cpp 16-bit model; written from --gguf when missing (default: {LLAMACPP_DIR}/<gguf name>.F16.gguf)')
+                   help=f'llama.cpp 16-bit model; written from --gguf when missing '
+                        f'(default: {LLAMACPP_DIR}/<gguf name>.F16.gguf)')
     p.add_argument('--lmd-formats', default='float16,float32,w4a16',
                    help=f'lmd TurboMind formats, comma-separated: {", ".join(LMD_FORMATS)}')
     p.add_argument('--decode-tokens', default='128,128', help='batch-1 decode: prompt,output tokens')
@@ -460,7 +461,8 @@ def agreement(a: list[int] | None, b: list[int] | None) -> dict | None:
         if x != y:
             break
         same += 1
-    return {'equal_prefix_tokens': same, 'equal_positions': sum(x == y for x, y in zip(a, b)), 'of': min(len(a), len(b))}
+    return {'equal_prefix_tokens': same, 'equal_positions': sum(x == y for x, y in zip(a, b)),
+            'of': min(len(a), len(b))}
 
 
 def main(argv=None) -> int:

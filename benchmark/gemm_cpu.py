@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     result = {'benchmark': 'gemm_cpu', 'num_threads': args.num_threads, 'isa': ops.isa(), 'cpu': cpu_info(),
               'gflops': {}, 'layer': {}}
     for dname in args.dtypes.split(','):
-        dtype = DTYPES[dname]
+        if dname not in DTYPES:
+            p.error(f'--dtypes: {dname!r} is not one of {", ".join(DTYPES)}')
         for M in (int(m) for m in args.m.split(',')):
             rows = {}
             for name in args.shapes.split(','):
