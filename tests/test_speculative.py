@@ -99,6 +99,18 @@ def logprobs_of(col, sid) -> list[dict]:
     return [lp for o in col.outputs[sid] for lp in (o.logprobs or ())]
 
 
+def assert_same_outputs(got, want, n: int) -> None:
+    """Requests 0..n-1 got the tokens and finish reasons they get without speculation, and request 1's 40
+    logprobs: a verification row's logits are the one-row step's within float error."""
+    for i in range(n):
+        assert got.tokens(i) == want.tokens(i), i
+        assert got.final(i).finish_reason == want.final(i).finish_reason, i
+    got_lps, want_lps = logprobs_of(got, 1), logprobs_of(want, 1)
+    assert len(got_lps) == len(want_lps) == 40
+    for g, w in zip(got_lps, want_lps):
+        assert list(g) == list(w) and max(abs(g[t] - w[t]) for t in g) < 1e-4
+
+
 def test_pytorch_greedy_with_drafts_is_the_output_without(tiny_llama):
     rng = random.Random(3)
     prompts = looping_prompts(rng, 9)
@@ -118,13 +130,7 @@ def test_pytorch_greedy_with_drafts_is_the_output_without(tiny_llama):
         got = run(engine, prompts, sampling)
         stats = engine.stats()
         assert_no_leak(engine)
-    for i in range(len(prompts)):
-        assert got.tokens(i) == want.tokens(i), i
-        assert got.final(i).finish_reason == want.final(i).finish_reason, i
-    got_lps, want_lps = logprobs_of(got, 1), logprobs_of(want, 1)
-    assert len(got_lps) == len(want_lps) == 40
-    for g, w in zip(got_lps, want_lps):
-        assert list(g) == list(w) and max(abs(g[t] - w[t]) for t in g) < 1e-4
+    assert_same_outputs(got, want, len(prompts))
     assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens, stats
 
 
@@ -161,13 +167,7 @@ def test_pytorch_adaptive_draft_length_is_the_output_without(tiny_llama):
         got = run(engine, prompts, sampling)
         stats = engine.stats()
         assert_no_leak(engine)
-    for i in range(len(prompts)):
-        assert got.tokens(i) == want.tokens(i), i
-        assert got.final(i).finish_reason == want.final(i).finish_reason, i
-    got_lps, want_lps = logprobs_of(got, 1), logprobs_of(want, 1)
-    assert len(got_lps) == len(want_lps) == 40
-    for g, w in zip(got_lps, want_lps):  # a verification row's logits are the one-row step's within float error
-        assert list(g) == list(w) and max(abs(g[t] - w[t]) for t in g) < 1e-4
+    assert_same_outputs(got, want, len(prompts))
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens <= 4 * stats.spec_num_drafts, stats
 
 
