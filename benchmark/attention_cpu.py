@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.utils.dlpack import to_dlpack as dl
@@ -26,19 +25,9 @@ from torch.utils.dlpack import to_dlpack as dl
 from lmd.kernels import ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cpu_info, load_average, measure_bandwidth  # noqa: E402
+from common import best_seconds, cpu_info, load_average, measure_bandwidth  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float('inf')
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv=None) -> dict:

@@ -219,6 +219,23 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def best_seconds(fn, repeats: int, min_time: float = 0.0) -> float:
+    """The least seconds a call of ``fn`` took, over ``repeats`` timings after one warm-up call; each timing
+    calls it until ``min_time`` has passed (at least once) and divides by the calls."""
+    fn()
+    best = float('inf')
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_time:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
 def measure_bandwidth(num_threads: int, gib: float = 1.5, repeats: int = 5) -> dict:
     """Read bandwidth with ``num_threads`` threads: best of ``repeats`` sums over a ``gib`` float32 tensor.
 

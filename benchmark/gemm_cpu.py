@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.utils.dlpack import to_dlpack as dl
@@ -33,7 +32,7 @@ from torch.utils.dlpack import to_dlpack as dl
 from lmd.kernels import ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cpu_info  # noqa: E402
+from common import best_seconds, cpu_info  # noqa: E402
 
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152
@@ -42,21 +41,6 @@ LAYER = ('qkv', 'o', 'gate_up', 'down')
 DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16, 'w4a16': None,
           'w8a16': None, 'gguf': None}
 W4A16_GROUP = 32
-
-
-def best_seconds(fn, repeats: int, min_time: float) -> float:
-    fn()
-    best = float('inf')
-    for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= min_time:
-                break
-        best = min(best, elapsed / n)
-    return best
 
 
 def float_kernels(M: int, N: int, K: int, dtype: torch.dtype, g: torch.Generator) -> dict:

@@ -110,13 +110,14 @@ def against(side: dict, base: dict) -> None:
         r['same_output'] = r['text'] == base[task]['text']
         r['speedup'] = round(r['decode_tok_s'] / base[task]['decode_tok_s'], 2)
 
-    def rate(s: dict) -> float:
-        rs = [r for t, r in s.items() if t != 'all']
+    def tasks(s: dict) -> list[dict]:
+        return [r for t, r in s.items() if t != 'all']
+
+    def rate(rs: list[dict]) -> float:
         return sum(r['tokens'] - 1 for r in rs) / sum((r['tokens'] - 1) / r['decode_tok_s'] for r in rs)
-    rs = [r for t, r in side.items() if t != 'all']
-    side['all'] = dict(tokens=sum(r['tokens'] for r in rs), decode_tok_s=round(rate(side), 1),
-                       speedup=round(rate(side) / rate(base), 2), same_output=all(r['same_output'] for r in rs),
-                       text='')
+    rs, r = tasks(side), rate(tasks(side))
+    side['all'] = dict(tokens=sum(x['tokens'] for x in rs), decode_tok_s=round(r, 1),
+                       speedup=round(r / rate(tasks(base)), 2), same_output=all(x['same_output'] for x in rs), text='')
 
 
 def parse_args(argv=None):

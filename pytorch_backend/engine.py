@@ -402,9 +402,7 @@ class PytorchEngine(Engine):
     def _step(self) -> bool:
         start = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.begin_step(self.scheduler.running)
-            for seq in self.scheduler.running:
-                seq.draft_token_ids = self.proposer.propose(seq)
+            self.proposer.draft(self.scheduler.running)
         out: SchedulerOutput = self.scheduler.schedule()
         for seq, why in out.failed:
             self._finish(seq, 'error', error=f'session {seq.session_id}: {why}')
@@ -448,10 +446,8 @@ class PytorchEngine(Engine):
         if sampled:
             for i, seq in enumerate(sampled):
                 self._on_token(seq, result.token_ids[i], result.logprobs[i], sampled_logits, i)
-        # a decode-only step (every row a sequence's next token or one of its drafts) teaches the
-        # proposer what a row costs; drafts as scheduled, before _verify settles them
-        decode_only = self.proposer is not None and all(
-            n == 1 + len(s.draft_token_ids) for s, n in zip(out.seqs, out.num_scheduled_tokens))
+        # a decode-only step (each row a sequence's next token or a draft) teaches the proposer a row's cost
+        decode_only = self.proposer is not None and num_rows == sum(out.num_scheduled_tokens)
         for seq, row in drafted:
             self._verify(seq, logits, row)
         if decode_only:

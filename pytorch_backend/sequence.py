@@ -25,7 +25,8 @@ class Sequence:
     __slots__ = ('session_id', 'token_ids', 'num_prompt_tokens', 'num_computed_tokens', 'num_cached_tokens',
                  'block_ids', 'block_hashes', 'status', 'sampling', 'sampling_state', 'callback',
                  'loop', 'sequence_end', 'is_admitted', 'num_preemptions', 'logits_sink', 'forced_token_ids',
-                 'prompt_logprobs', 'skip_reading_prefix_cache', 'draft_token_ids', 'adapter_slot', 'adapter_uid')
+                 'prompt_logprobs', 'skip_reading_prefix_cache', 'draft_token_ids', 'draft_acceptance', 'adapter_slot',
+                 'adapter_uid')
 
     def __init__(self, session_id: int, token_ids: list[int], sampling: 'SamplingParams',
                  sampling_state, callback: Callable[['EngineOutput'], None] | None, sequence_end: bool = True):
@@ -57,6 +58,7 @@ class Sequence:
         self.skip_reading_prefix_cache = False
         # speculative decoding: this step's drafted tokens, computed after the pending one (speculative.py)
         self.draft_token_ids: tuple[int, ...] = ()
+        self.draft_acceptance = None  # its recent drafts (ops.DraftAcceptance), with an adaptive draft length
         # a LoRA adapter (lmd.lora.AdapterSlot): the model's slot its rows run, and the uid that salts its
         # prefix-cache keys; -1 / 0: the base model
         self.adapter_slot = -1

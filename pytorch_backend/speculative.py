@@ -36,15 +36,17 @@ class NgramProposer:
         self.session_len = session_len
         self._ops = ops
         self.lengths = ops.DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
-        self._acceptance: dict[int, object] = {}  # id(sequence) -> its ops.DraftAcceptance
         self._num_decoding = 1
+
+    def draft(self, running: list[Sequence]) -> None:
+        """This step's drafts: each running sequence's ``draft_token_ids`` (empty where it drafts nothing)."""
+        self.begin_step(running)
+        for seq in running:
+            seq.draft_token_ids = self.propose(seq)
 
     def begin_step(self, running: list[Sequence]) -> None:
         """Before this step's drafts: forget sequences no longer running, count those decoding."""
         self.retain(running)
-        alive = {id(s) for s in running}
-        for key in [k for k in self._acceptance if k not in alive]:
-            del self._acceptance[key]
         self._num_decoding = max(1, sum(s.num_tokens - s.num_computed_tokens == 1 for s in running))
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -58,10 +60,9 @@ class NgramProposer:
             self.lengths.observe_step(rows, seconds)
 
     def _acceptance_of(self, seq: Sequence):
-        acc = self._acceptance.get(id(seq))
-        if acc is None:
-            acc = self._acceptance[id(seq)] = self._ops.DraftAcceptance()
-        return acc
+        if seq.draft_acceptance is None:
+            seq.draft_acceptance = self._ops.DraftAcceptance()
+        return seq.draft_acceptance
 
     def draft_len(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may have drafted this step: none unless it is decoding (one token

@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from lmd.engine import EngineRequest, SamplingParams  # noqa: E402
 from lmd.messages import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from lmd.pytorch_backend import PytorchEngine  # noqa: E402
+from lmd.pytorch_backend.speculative import NgramProposer  # noqa: E402
 from test_pytorch_engine import TINY, Collector, assert_no_leak  # noqa: E402
 from tiny_models import saved_models, tiny_hf_model  # noqa: E402
 
@@ -142,6 +143,8 @@ class ModelGreedyProposer:
         self.model, self.proposer = model, proposer
         self.retain, self.begin_step = proposer.retain, proposer.begin_step
         self.observe, self.observe_step = proposer.observe, proposer.observe_step
+
+    draft = NgramProposer.draft  # its own propose for each running sequence
 
     @torch.no_grad()
     def propose(self, seq):

@@ -49,9 +49,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cpu/draft_length.h"
 #include "engine/batch.h"
 #include "engine/block_manager.h"
-#include "cpu/draft_length.h"
 #include "engine/draft.h"
 #include "engine/notifier.h"
 #include "engine/sampler.h"

@@ -14,9 +14,9 @@
 #include "core/py_tensor.h"
 #include "core/tensor.h"
 #include "bindings/kv_cache.h"
+#include "cpu/draft_length.h"
 #include "cpu/kernels.h"
 #include "cpu/lora.h"
-#include "cpu/draft_length.h"
 #include "cpu/ngram.h"
 
 namespace py = pybind11;

@@ -41,9 +41,9 @@ void DraftLength::observe_step(int64_t rows, double seconds) {
     if (var_r >= kMinRowVariance) {
         b_ = std::max(0.0, (srt_ / w_ - mean_r * st_ / w_) / var_r);
         a_ = std::max(0.0, st_ / w_ - b_ * mean_r);
-    } else {  // one size of step so far: what it costs, all of it a
+    } else {  // one size of step so far: b as it was, a the rest of what it costs
         a_ = st_ / w_ - b_ * mean_r;
-        if (a_ < 0) a_ = 0, b_ = 0;
+        if (a_ < 0) a_ = b_ = 0;
     }
 }
 

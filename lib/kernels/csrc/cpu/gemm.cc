@@ -235,7 +235,9 @@ void linear_w4a16_packed(const TensorView & x, const TensorView & qpanels, const
                 avx2::w4a16_prepare_rows(xf, ldx, K, G, M * t / nt, M * (t + 1) / nt, xp.data(), xsum.data());
             });
             std::vector<float> interleaved;
-            const float * rows = isa_at_least(Isa::avx512) ? avx512_rows(xp.data(), K, M, K, interleaved, avx512::kW4a16BatchRows) : xp.data();
+            const float * rows = isa_at_least(Isa::avx512)
+                                     ? avx512_rows(xp.data(), K, M, K, interleaved, avx512::kW4a16BatchRows)
+                                     : xp.data();
             const auto panels = isa_at_least(Isa::avx512) ? avx512::linear_w4a16_packed_panels
                                                           : avx2::linear_w4a16_packed_panels;
             split_panels(M, N, K, [&](int64_t p0, int64_t p1) {

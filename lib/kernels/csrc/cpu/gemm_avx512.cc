@@ -7,8 +7,8 @@
 // for the multiply-add chain AVX2's W4A8 takes three for.
 //
 // Three paths: M <= 5 (a decode row or a verification step) runs tiles of several panels with the
-// weights converted in registers; M >= 6 (W4A16: 5; a decode batch, a prefill chunk) runs tiles of up to 16 rows
-// by one panel (batch_tiles) over x interleaved once by gemm.cc, each weight converted in registers
+// weights converted in registers; M >= 6 (W4A16: 5; a decode batch, a prefill chunk) runs tiles of up
+// to 16 rows by one panel (batch_tiles) over x interleaved once by gemm.cc, each weight converted in registers
 // once for all the tile's rows (16 FMAs a weight vector hide the convert and the loads: near the
 // core's FMA rate); beyond 4 MiB of x (rows_interleaved), the GEMM, its chunks of a panel converted
 // into a buffer once for every tile of a block of rows kept in L2 (gemm_blocks.h).
@@ -400,10 +400,7 @@ struct W8Panels {
 
     template <int MR, int NP>
     void tile(const float * x, int64_t ldx, int64_t p, Acc<MR, NP> & out) const {
-        // U (the mins' chain) in the group loop for one row, after it for more: there its MR x NP
-        // registers would crowd out D's and T's (at 3 rows by 4 panels, 40 zmm of 32); same chain, same bits
-        constexpr bool kMinsInLoop = MR == 1;
-        Acc<MR, NP> t = acc_zero<MR, NP>(), u = acc_zero<MR, NP>();
+        Acc<MR, NP> t = acc_zero<MR, NP>();
         for (int64_t g = 0; g < ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
             for (int64_t k = g * G; k < (g + 1) * G; ++k) {
