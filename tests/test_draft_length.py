@@ -1,6 +1,6 @@
 """The adaptive draft length of speculative decoding (``lmd.kernels.ops.DraftLength``, cpu/draft_length.h),
 against a plain Python version of its arithmetic: the weighted least-squares fit of step time over rows,
-the acceptance estimate, and the rule that a draft token j pays iff alpha^j >= b B / (a + b B)."""
+the acceptance estimate, and the draft length that gives a step the most expected tokens per second."""
 import random
 
 import pytest
@@ -24,8 +24,10 @@ def fit(steps):
 
 
 def length(alpha, a, b, num_decoding, k_max):
-    theta = b * num_decoding / (a + b * num_decoding) if b > 0 else 0.0
-    return next((j for j in range(k_max) if alpha ** (j + 1) < theta), k_max)
+    """The draft length with the most expected tokens per second of the step, by trying each."""
+    def rate(k):
+        return (num_decoding - 1 + sum(alpha ** j for j in range(k + 1))) / (a + b * (num_decoding + k))
+    return max(range(k_max + 1), key=lambda k: (rate(k), k))
 
 
 def test_no_steps_seen_every_draft_pays():
@@ -55,7 +57,7 @@ def test_one_size_of_step_leaves_rows_free():
 
 
 @pytest.mark.parametrize('a, b', [(0.004, 0.0015), (0.016, 0.0003), (0.001, 0.004)])
-def test_length_is_where_alpha_to_the_j_meets_the_threshold(a, b):
+def test_length_gives_the_step_the_most_tokens_per_second(a, b):
     d = ops.DraftLength(6)
     for r in [1, 5, 3, 2, 6, 1, 4] * 4:
         d.observe_step(r, a + b * r)

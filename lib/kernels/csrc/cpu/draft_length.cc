@@ -54,9 +54,15 @@ double DraftLength::threshold(int64_t num_decoding) const {
 
 int64_t DraftLength::length(const DraftAcceptance & acc, int64_t num_decoding, int64_t limit) const {
     const int64_t k_max = std::min(max_tokens_, limit);
-    const double theta = threshold(num_decoding), alpha = acc.rate();
+    const double alpha = acc.rate();
+    // the step's expected tokens and cost with this sequence's first k drafts: token k + 1 is
+    // kept while it raises tokens / cost, i.e. while alpha^(k+1) cost >= b tokens
+    double tokens = static_cast<double>(std::max<int64_t>(1, num_decoding)), cost = a_ + b_ * tokens;
     int64_t k = 0;
-    for (double p = alpha; k < k_max && p >= theta; p *= alpha) ++k;
+    for (double p = alpha; k < k_max && p * cost >= b_ * tokens; p *= alpha, ++k) {
+        tokens += p;
+        cost += b_;
+    }
     return k;
 }
 

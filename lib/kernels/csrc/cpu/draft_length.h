@@ -12,10 +12,14 @@
 // - each sequence's acceptance rate alpha: drafted token j is accepted with probability alpha^j (the
 //   first j - 1 accepted), estimated from the tokens it accepted and the drafts it saw rejected lately.
 //
-// Drafting token j adds b to a step whose B decoding sequences would otherwise make B tokens in
-// a + b B, and is expected to add alpha^j tokens: it pays iff alpha^j >= b B / (a + b B). So a sequence
-// copying its prompt drafts the most, one writing new text drafts one or two, and a large batch (where
-// the step is compute-bound) few or none. Until the fit has seen steps of different sizes b is taken
+// A step of B decoding sequences makes B tokens in a + b B without drafts. A sequence's draft of k
+// tokens adds b k to that and is expected to add alpha + ... + alpha^k tokens; k is the one that
+// gives the step the most tokens per second. Token j raises that rate iff alpha^j >= b T / C, with
+// T and C the step's expected tokens and cost with the first j - 1 (for j = 1: alpha >= b B /
+// (a + b B)); the rate is then past its peak, so the first token that fails ends the draft. So a
+// sequence copying its prompt drafts the most, one writing new text drafts one or two, and a large
+// batch (where the step is compute-bound) few or none. (Each sequence decides as if the others
+// drafted nothing: exact at batch 1, slightly generous above.) Until the fit has seen steps of different sizes b is taken
 // as 0 (every draft pays); an acceptance rate decays towards its prior while a sequence does not draft,
 // so a sequence that stopped drafting tries again after a few steps.
 #pragma once
@@ -42,9 +46,10 @@ class DraftLength {
 
     // a step in which every row was a decoding sequence's token or one of its drafts: R rows, `seconds`
     void observe_step(int64_t rows, double seconds);
-    // b B / (a + b B) for a step of `num_decoding` sequences: the acceptance alpha^j a draft token must reach
+    // b B / (a + b B) for a step of `num_decoding` sequences: the acceptance a first draft token must reach
     double threshold(int64_t num_decoding) const;
-    // the largest j <= min(max_tokens, limit) with alpha^j >= threshold(num_decoding) (0: no draft)
+    // the k <= min(max_tokens, limit) that gives a step of `num_decoding` sequences the most expected
+    // tokens per second (0: no draft)
     int64_t length(const DraftAcceptance & acc, int64_t num_decoding, int64_t limit) const;
     // the fit so far: a (seconds), b (seconds per row); b is 0 until rows varied
     double step_seconds() const { return a_; }
