@@ -192,6 +192,9 @@ template <typename ST>
 struct W4A16 : W4Panels<ST> {
     const float * xp;
 
+    // Words ahead that tile and tile_batch ask for (a prefetch past the panel's end is harmless).
+    static constexpr int64_t kPrefetchWords = 16;
+
     // An M <= 5 tile over NP panels from p, all of K, the words converted in registers, into out.
     template <int MR, int NP>
     void tile(int64_t p, Acc<MR, NP> & out) const {
@@ -205,6 +208,10 @@ struct W4A16 : W4Panels<ST> {
         for (int64_t g = 0; g < this->ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
             for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+                // each of a GEMV's many short runs of panels is a new stream to the hardware
+                // prefetchers, which miss its first lines (120 matmuls of a decode step: -14%)
+                for (int i = 0; i < NP; ++i)
+                    _mm_prefetch(reinterpret_cast<const char *>(wb[i] + (c + kPrefetchWords) * kW4), _MM_HINT_T0);
                 const float * xc = xp + 8 * c;
                 __m512i mask = _mm512_set1_epi32(0xF);
                 __m512 w[NP];
@@ -238,9 +245,6 @@ struct W4A16 : W4Panels<ST> {
         for (int m = 0; m < MR; ++m)
             for (int i = 0; i < NP; ++i) out.v[m][i] = _mm512_add_ps(t.v[m][i], u.v[m][i]);
     }
-
-    // Words ahead that tile_batch asks for (a prefetch past the panel's end is harmless).
-    static constexpr int64_t kPrefetchWords = 16;
 
     // A decode batch's tile (batch_tiles): MR rows over panel p, all of K, each word converted in
     // registers once for all MR rows (the GEMM's chunk would store and reload every weight for
