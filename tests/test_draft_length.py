@@ -30,10 +30,19 @@ def length(alpha, a, b, num_decoding, k_max):
     return max(range(k_max + 1), key=lambda k: (rate(k), k))
 
 
+def acceptance_at(alpha):
+    """An ops.DraftAcceptance whose rate() is alpha (some rejections, the accepted tokens to match)."""
+    acc, rejected = ops.DraftAcceptance(), 10.0
+    acc.rejected = rejected
+    acc.accepted = (alpha * (rejected + PRIOR_WEIGHT) - PRIOR_RATE * PRIOR_WEIGHT) / (1 - alpha)
+    assert acc.accepted >= 0 and acc.rate() == pytest.approx(alpha)
+    return acc
+
+
 def test_no_steps_seen_every_draft_pays():
     d, acc = ops.DraftLength(5), ops.DraftAcceptance()
     assert acc.rate() == pytest.approx(PRIOR_RATE)
-    assert d.threshold(1) == 0 and d.length(acc, 1, 5) == 5 and d.length(acc, 1, 3) == 3 and d.length(acc, 8, 0) == 0
+    assert d.row_seconds == 0 and d.length(acc, 1, 5) == 5 and d.length(acc, 1, 3) == 3 and d.length(acc, 8, 0) == 0
 
 
 def test_fit_is_weighted_least_squares():
@@ -46,14 +55,17 @@ def test_fit_is_weighted_least_squares():
     a, b = fit(steps)
     assert d.step_seconds == pytest.approx(a, rel=1e-9) and d.row_seconds == pytest.approx(b, rel=1e-9)
     assert b == pytest.approx(0.0015, rel=0.15)
-    assert d.threshold(1) == pytest.approx(b / (a + b)) and d.threshold(16) == pytest.approx(16 * b / (a + 16 * b))
+    for num_decoding in (1, 16):  # a first draft token pays iff alpha >= b B / (a + b B)
+        bar = b * num_decoding / (a + b * num_decoding)
+        assert d.length(acceptance_at(bar * 1.01), num_decoding, 1) == 1
+        assert d.length(acceptance_at(bar * 0.99), num_decoding, 1) == 0
 
 
 def test_one_size_of_step_leaves_rows_free():
     d = ops.DraftLength(4)
     for _ in range(10):
         d.observe_step(5, 0.01)
-    assert d.row_seconds == 0 and d.step_seconds == pytest.approx(0.01) and d.threshold(1) == 0
+    assert d.row_seconds == 0 and d.step_seconds == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize('a, b', [(0.004, 0.0015), (0.016, 0.0003), (0.001, 0.004)])

@@ -286,7 +286,6 @@ void bind_ops(py::module_ & m) {
              }), py::arg("max_tokens"))
         .def("observe_step", &cpu::DraftLength::observe_step, py::arg("rows"), py::arg("seconds"),
              "A step whose every row was a decoding sequence's token or draft.")
-        .def("threshold", &cpu::DraftLength::threshold, py::arg("num_decoding"))
         .def("length", &cpu::DraftLength::length, py::arg("acceptance"), py::arg("num_decoding"), py::arg("limit"),
              "Drafted tokens for a sequence this step (0: none), at most min(max_tokens, limit).")
         .def_property_readonly("step_seconds", &cpu::DraftLength::step_seconds)

@@ -47,11 +47,6 @@ void DraftLength::observe_step(int64_t rows, double seconds) {
     }
 }
 
-double DraftLength::threshold(int64_t num_decoding) const {
-    const double bb = b_ * static_cast<double>(std::max<int64_t>(1, num_decoding));
-    return bb > 0 ? bb / (a_ + bb) : 0.0;
-}
-
 int64_t DraftLength::length(const DraftAcceptance & acc, int64_t num_decoding, int64_t limit) const {
     const int64_t k_max = std::min(max_tokens_, limit);
     const double alpha = acc.rate();

@@ -19,9 +19,9 @@
 // (a + b B)); the rate is then past its peak, so the first token that fails ends the draft. So a
 // sequence copying its prompt drafts the most, one writing new text drafts one or two, and a large
 // batch (where the step is compute-bound) few or none. (Each sequence decides as if the others
-// drafted nothing: exact at batch 1, slightly generous above.) Until the fit has seen steps of different sizes b is taken
-// as 0 (every draft pays); an acceptance rate decays towards its prior while a sequence does not draft,
-// so a sequence that stopped drafting tries again after a few steps.
+// drafted nothing: exact at batch 1, slightly generous above.) Until the fit has seen steps of
+// different sizes b is taken as 0 (every draft pays); an acceptance rate decays towards its prior
+// while a sequence does not draft, so a sequence that stopped drafting tries again after a few steps.
 #pragma once
 
 #include <cstdint>
@@ -46,8 +46,6 @@ class DraftLength {
 
     // a step in which every row was a decoding sequence's token or one of its drafts: R rows, `seconds`
     void observe_step(int64_t rows, double seconds);
-    // b B / (a + b B) for a step of `num_decoding` sequences: the acceptance a first draft token must reach
-    double threshold(int64_t num_decoding) const;
     // the k <= min(max_tokens, limit) that gives a step of `num_decoding` sequences the most expected
     // tokens per second (0: no draft)
     int64_t length(const DraftAcceptance & acc, int64_t num_decoding, int64_t limit) const;

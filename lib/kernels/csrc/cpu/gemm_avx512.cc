@@ -207,11 +207,14 @@ struct W4A16 : W4Panels<ST> {
         Acc<MR, NP> t = acc_zero<MR, NP>(), u = acc_zero<MR, NP>();
         for (int64_t g = 0; g < this->ng; ++g) {
             Acc<MR, NP> d = acc_zero<MR, NP>();
-            // the scales and mins two groups ahead (the tile's panels: one line of each, or two)
+            // the scales (and the mins, where this loop reads them) two groups ahead: the tile's
+            // panels take one line of each, or two
             _mm_prefetch(reinterpret_cast<const char *>(this->scales(p) + (g + 2) * kW4), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char *>(this->scales(p + NP - 1) + (g + 2) * kW4), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char *>(this->mins(p) + (g + 2) * kW4), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char *>(this->mins(p + NP - 1) + (g + 2) * kW4), _MM_HINT_T0);
+            if constexpr (kMinsInLoop) {
+                _mm_prefetch(reinterpret_cast<const char *>(this->mins(p) + (g + 2) * kW4), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char *>(this->mins(p + NP - 1) + (g + 2) * kW4), _MM_HINT_T0);
+            }
             for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
                 // each of a GEMV's many short runs of panels is a new stream to the hardware
                 // prefetchers, which miss its first lines (120 matmuls of a decode step: -14%)

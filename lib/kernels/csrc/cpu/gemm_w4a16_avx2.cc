@@ -68,7 +68,8 @@ struct W4A16 : W4Panels<ST> {
                 const int32_t * wc = words(p, c);
                 // each of a GEMV's many short runs of panels is a new stream to the hardware
                 // prefetchers, which miss its first lines (120 matmuls of a decode step: -14%)
-                for (int i = 0; i < NP; ++i) _mm_prefetch(reinterpret_cast<const char *>(words(p, c + 16) + i * ps), _MM_HINT_T0);
+                for (int i = 0; i < NP; ++i)
+                    _mm_prefetch(reinterpret_cast<const char *>(words(p, c + 16) + i * ps), _MM_HINT_T0);
                 const float * xc = xp + 8 * c;
                 __m256i mask = _mm256_set1_epi32(0xF);
                 __m256 w[2 * NP];
@@ -124,7 +125,8 @@ struct W4A16 : W4Panels<ST> {
     }
 };
 
-// (NP of its M <= 5 tiles: small_np, gemm_tile_avx2.h: MR x 2 NP chains of D, 8 to 12.)
+// (NP of its M <= 5 tiles: small_np, gemm_tile_avx2.h: MR x 2 NP chains of D, 8 to 12; at 3 rows one
+// panel, as two spilled its 40 live registers (D, T and U) out of 16.)
 
 template <int MR, typename ST, typename YT>
 void panels_small(const W4A16<ST> & a, int64_t N, const float * bias, YT * y, int64_t ldy, int64_t p0, int64_t p1) {
