@@ -191,6 +191,10 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
     const int64_t row = num_kv_heads * D;  // elements between consecutive tokens of a block
     const __m256 vscale = _mm256_set1_ps(scale);
     constexpr int kRegs = NV ? NV : kMaxHeadDim / 8;
+    const int64_t slice_bytes = D * static_cast<int64_t>(sizeof(T));
+    auto slice = [&](const T * cache, int64_t t) {  // token t's slice of the KV head
+        return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + kv_head * D;
+    };
 
     for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv_head * group + g;
@@ -206,12 +210,13 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
         float * s = scratch + g * n;  // s[i]: the score of token first + i
         // scores, run by run of tokens in one block (the first may start mid-block); eight tokens
         // share one reduction
+        SliceStream keys([&](int64_t t) { return slice(kc, t); }, slice_bytes, first, len);
         for (int64_t t0 = first; t0 < len;) {
-            const T * kb = kc + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 % block_size) * row +
-                           kv_head * D;
+            const T * kb = slice(kc, t0);
             const int64_t tn = std::min(block_size - t0 % block_size, len - t0);
             int64_t t = 0;
             for (; t + 8 <= tn; t += 8) {
+                if (g == 0) keys.reading(t0 + t);  // the other query heads find them in cache
                 __m256 a[8];
                 for (int j = 0; j < 8; ++j) a[j] = dot(kb + (t + j) * row);
                 _mm256_storeu_ps(s + (t0 - first) + t, reduce8(a));
@@ -222,11 +227,12 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
         const float sum = softmax_unnormalised(s, n, softcap, sinks ? sinks + h : nullptr);
         __m256 acc[kRegs];
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+        SliceStream values([&](int64_t t) { return slice(vc, t); }, slice_bytes, first, len);
         for (int64_t t0 = first; t0 < len;) {
-            const T * vb = vc + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 % block_size) * row +
-                           kv_head * D;
+            const T * vb = slice(vc, t0);
             const int64_t tn = std::min(block_size - t0 % block_size, len - t0);
             for (int64_t tt = 0; tt < tn; ++tt) {
+                if (g == 0 && tt % 8 == 0) values.reading(t0 + tt);
                 const __m256 p = _mm256_set1_ps(s[t0 - first + tt]);
                 const T * vt = vb + tt * row;
                 for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vt + 8 * i), acc[i]);
@@ -266,38 +272,21 @@ void attention_rows_t(const TensorView & q, const TensorView & k_cache, const Te
     auto len_of = [&](int64_t p) { return static_cast<int64_t>(lens[p / group]); };
     auto head_of = [&](int64_t p) { return kv_head * group + p % group; };
     // fn(t0, t1, base) for each tile [t0, t1) of [0, max_len), inside one block; token t at base + (t - t0) * row.
-    // Each tile's head slices are asked for (prefetched) a tile ahead, into L1, and with `also` (the keys'
-    // pass) the same tile of `also`'s cache (the values) into L2: a head's slice is every num_kv_heads-th
-    // run of D elements in blocks that need not be adjacent, which the hardware prefetchers do not
-    // follow, and out of cache (a decode step's every layer) each line was a trip to memory.
-    const int64_t slice_bytes = D * static_cast<int64_t>(sizeof(T));
-    auto prefetch = [&](const T * base, int64_t n, int hint) {
-        for (int64_t t = 0; t < n; ++t) {
-            const char * line = reinterpret_cast<const char *>(base + t * row);
-            for (int64_t b = 0; b < slice_bytes; b += 64) {
-                if (hint == 0) _mm_prefetch(line + b, _MM_HINT_T0);
-                else _mm_prefetch(line + b, _MM_HINT_T1);
-            }
-        }
-    };
+    // Each pass streams its head's slices into L2 ahead of the tile it reads (SliceStream).
     auto tile_at = [&](const T * cache, int64_t t0, int64_t & t1) {
         const int64_t start = t0 / block_size * block_size;
         t1 = std::min({start + block_size, max_len, t0 + kTile});
         return cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 - start) * row + kv_head * D;
     };
-    auto for_tiles = [&](const T * cache, const T * also, auto && fn) {
-        int64_t t1 = 0;
-        const T * base = tile_at(cache, 0, t1);
-        prefetch(base, t1, 0);
-        for (int64_t t0 = 0; t0 < max_len;) {
-            if (also) prefetch(tile_at(also, t0, t1), t1 - t0, 1);
-            int64_t t2 = t1;
-            const T * next = t1 < max_len ? tile_at(cache, t1, t2) : nullptr;
-            if (next) prefetch(next, t2 - t1, 0);
+    auto for_tiles = [&](const T * cache, auto && fn) {
+        auto slice = [&](int64_t t) {
+            return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + kv_head * D;
+        };
+        SliceStream stream(slice, D * static_cast<int64_t>(sizeof(T)), 0, max_len);
+        for (int64_t t0 = 0, t1 = 0; t0 < max_len; t0 = t1) {
+            const T * base = tile_at(cache, t0, t1);
+            stream.reading(t0);
             fn(t0, t1, base);
-            base = next;
-            t0 = t1;
-            t1 = t2;
         }
     };
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -305,7 +294,7 @@ void attention_rows_t(const TensorView & q, const TensorView & k_cache, const Te
         const T * qh = q.ptr<T>() + (b0 + p / group) * q.stride(0) + head_of(p) * q.stride(1);
         for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, _mm256_mul_ps(load8(qh + 8 * i), vscale));
     }
-    for_tiles(k_cache.ptr<T>(), v_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * kb) {
+    for_tiles(k_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * kb) {
         const int64_t start = t0 / block_size * block_size;
         for (int64_t p = 0; p < P; ++p) {
             const int64_t len = len_of(p);
@@ -333,7 +322,7 @@ void attention_rows_t(const TensorView & q, const TensorView & k_cache, const Te
         sums[p] = softmax_unnormalised(S + p * max_len, len_of(p), softcap, sinks ? sinks + head_of(p) : nullptr);
         for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(A + p * D + 8 * i, _mm256_setzero_ps());
     }
-    for_tiles(v_cache.ptr<T>(), static_cast<const T *>(nullptr), [&](int64_t t0, int64_t t1, const T * vb) {
+    for_tiles(v_cache.ptr<T>(), [&](int64_t t0, int64_t t1, const T * vb) {
         for (int64_t p = 0; p < P; ++p) {
             const int64_t end = std::min(t1, len_of(p));
             if (t0 >= end) continue;

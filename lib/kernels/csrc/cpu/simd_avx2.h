@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/tensor.h"
@@ -74,6 +75,35 @@ inline void prefetch_range(const void * p, int64_t bytes) {
 }
 
 constexpr int kMaxHeadDim = 256;  // the attention kernels keep a head in registers up to this
+
+// One KV head's slices of a paged cache asked for (prefetched) into L2 token by token, a fixed number
+// of bytes ahead of the token the attention reads: a head's slice is every num_kv_heads-th run of a
+// token's row, in blocks that need not be adjacent, which the hardware prefetchers do not follow, and
+// in a decode step (every layer's weights read in between) each line is a trip to memory. Into L2,
+// not L1, whose few outstanding misses held the stream to a third of the read bandwidth: a decode row
+// over 1024 tokens of SmolLM2's float cache went from 166 to 114 us a layer, 4 to 3.4 ms a step.
+// slice(t): the address of token t's slice, `bytes` long; tokens [begin, end) are read, in order.
+template <typename Slice>
+class SliceStream {
+public:
+    static constexpr int64_t kAheadBytes = 16 << 10;
+
+    SliceStream(Slice slice, int64_t bytes, int64_t begin, int64_t end)
+        : slice_(slice), bytes_(bytes), end_(end), ahead_(std::max<int64_t>(8, kAheadBytes / std::max<int64_t>(bytes, 1))),
+          asked_(begin) {}
+
+    // reading token t: tokens up to t + ahead asked for
+    void reading(int64_t t) {
+        for (const int64_t until = std::min(t + ahead_, end_); asked_ < until; ++asked_) {
+            const char * p = reinterpret_cast<const char *>(slice_(asked_));
+            for (int64_t b = 0; b < bytes_; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+        }
+    }
+
+private:
+    Slice slice_;
+    int64_t bytes_, end_, ahead_, asked_;
+};
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
