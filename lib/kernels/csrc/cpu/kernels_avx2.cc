@@ -152,6 +152,14 @@ void linear_rows_w(const float * x, int64_t ldx, int64_t M, int64_t K, const Ten
 
 // ---- attention -------------------------------------------------------------------------------
 
+// Token t's slice of KV head h in a paged cache [blocks, block_size, num_kv_heads, D]: row = the
+// elements of a token (num_kv_heads * D), table = the sequence's blocks.
+template <typename T>
+inline const T * head_slice(const T * cache, const int32_t * table, int64_t block_size, int64_t row, int64_t D,
+                            int64_t h, int64_t t) {
+    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + h * D;
+}
+
 // A row's n scores in s soft-capped (Gemma 2: tanh(s / cap) * cap, when softcap > 0) and turned into
 // probabilities, unnormalised; returns their sum, with the sink's term (gpt-oss: its logit joins the
 // softmax as a key without a value) when sink is not null. The output divides by the sum once.
@@ -192,9 +200,7 @@ void decode_attention_t(const TensorView & q, const TensorView & k_cache, const 
     const __m256 vscale = _mm256_set1_ps(scale);
     constexpr int kRegs = NV ? NV : kMaxHeadDim / 8;
     const int64_t slice_bytes = D * static_cast<int64_t>(sizeof(T));
-    auto slice = [&](const T * cache, int64_t t) {  // token t's slice of the KV head
-        return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + kv_head * D;
-    };
+    auto slice = [&](const T * cache, int64_t t) { return head_slice(cache, table, block_size, row, D, kv_head, t); };
 
     for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv_head * group + g;
@@ -273,20 +279,13 @@ void attention_rows_t(const TensorView & q, const TensorView & k_cache, const Te
     auto head_of = [&](int64_t p) { return kv_head * group + p % group; };
     // fn(t0, t1, base) for each tile [t0, t1) of [0, max_len), inside one block; token t at base + (t - t0) * row.
     // Each pass streams its head's slices into L2 ahead of the tile it reads (SliceStream).
-    auto tile_at = [&](const T * cache, int64_t t0, int64_t & t1) {
-        const int64_t start = t0 / block_size * block_size;
-        t1 = std::min({start + block_size, max_len, t0 + kTile});
-        return cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size + t0 - start) * row + kv_head * D;
-    };
     auto for_tiles = [&](const T * cache, auto && fn) {
-        auto slice = [&](int64_t t) {
-            return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + kv_head * D;
-        };
+        auto slice = [&](int64_t t) { return head_slice(cache, table, block_size, row, D, kv_head, t); };
         SliceStream stream(slice, D * static_cast<int64_t>(sizeof(T)), 0, max_len);
         for (int64_t t0 = 0, t1 = 0; t0 < max_len; t0 = t1) {
-            const T * base = tile_at(cache, t0, t1);
+            t1 = std::min({t0 / block_size * block_size + block_size, max_len, t0 + kTile});
             stream.reading(t0);
-            fn(t0, t1, base);
+            fn(t0, t1, slice(t0));
         }
     };
     const __m256 vscale = _mm256_set1_ps(scale);
