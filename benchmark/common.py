@@ -13,7 +13,8 @@ llama.cpp, ...) with these parts, so that a figure means the same in every scrip
   machine was and did while the figures were taken (these machines are shared: the load average
   says whether a figure can be trusted).
 - ``run_worker`` / ``guarded_worker``: each engine in its own subprocess, so its peak RSS is its own;
-  the worker writes its result (or a one-line error) to a JSON file the parent reads.
+  the worker writes its result (or a one-line error) to a JSON file the parent reads; ``best_of_runs``
+  folds several runs of one side into one report.
 - ``emit``: the one JSON object on stdout, with the load average before and after.
 """
 from __future__ import annotations
@@ -323,6 +324,23 @@ def guarded_worker(fn, args) -> None:
         result = {'error': f'{type(e).__name__}: {e}'}
     with open(args.result_file, 'w') as f:
         json.dump(result, f)
+
+
+def best_of_runs(runs: list[dict], figures: dict) -> dict:
+    """One side's report from several runs of it on a machine whose speed drifts: the first successful
+    run's, each section in ``figures`` (name -> the figure a run got there, higher better) taken from the
+    run where that figure was best, and ``runs``: every run's figures. All runs failed: the first."""
+    good = [r for r in runs if 'error' not in r]
+    if len(runs) == 1 or not good:
+        return runs[0]
+    best = dict(good[0])
+    for section, value in figures.items():
+        scored = [r for r in good if value(r) is not None]
+        if scored:
+            best[section] = max(scored, key=value)[section]
+    best['runs'] = [{section: value(r) for section, value in figures.items()} if 'error' not in r else r
+                    for r in runs]
+    return best
 
 
 # ---- the report ---------------------------------------------------------------------------------------------

@@ -19,7 +19,11 @@ of llama.cpp's Q4_1 x Q8_1 dot product). llama.cpp runs the shipped
 Q4_1 GGUF and an F16 GGUF written from it (same tensors and metadata; the quantized tensors
 dequantized to F16). Pairs compared: lmd float32 vs llama.cpp F16 (16-bit), and lmd float32 /
 W4A16 vs llama.cpp Q4_1 (4-bit). The batch-1 roofline of each: tokens/s <= read bandwidth /
-weight bytes read per token (bandwidth measured here, as ``profile_generation.py`` does).
+weight bytes read per token, the bandwidth the median of those every worker measured right after its
+decode rounds (on these machines one worker in a few measures 45-59 GB/s where most measure 30-35).
+With ``--repeats N`` every side runs N times, their order reversed each other time, and each figure
+is the side's best run: these shared machines drift by 10-20% within minutes, which one run of each
+side, one after the other, would read as a difference between the engines.
 
 Prints one JSON object on stdout; progress goes to stderr. Exits 2 when a side failed.
 """
@@ -39,9 +43,9 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RequestTiming, add_engine_args, add_worker_args, cpu_seconds, decode_rate, emit, engine_config,
-                    guarded_worker, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib, percentiles, ratio,
-                    rss_mib, run_worker, set_threads, summarize)
+from common import (RequestTiming, add_engine_args, add_worker_args, best_of_runs, cpu_seconds, decode_rate, emit,
+                    engine_config, guarded_worker, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib,
+                    percentiles, ratio, rss_mib, run_worker, set_threads, summarize)
 from gguf_files import gguf_file_type, gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
 
@@ -227,6 +231,8 @@ def run_phases(run, work: dict, name: str) -> dict:
     out['decode_batch_1'] = {'prompt_tokens': decode[0].input_len, 'output_tokens': decode[0].output_len,
                              'decode_tokens_per_s': percentiles(rates, 2), **summarize(timings),
                              'exact_token_counts': all(t.num_tokens == t.output_len for t in timings)}
+    if work['roofline']:  # the roofline's bandwidth, in this process right after its decode
+        out['decode_batch_1']['read_bandwidth'] = measure_bandwidth(work['num_threads'])
     for p in prefill[:w]:
         run([p])
     rates = []
@@ -402,6 +408,8 @@ def parse_args(argv=None):
     p.add_argument('--concurrent-tokens', default='128,128', help='concurrent round: prompt,output tokens each')
     p.add_argument('--rounds', type=int, default=3, help='timed decode and prefill rounds (fresh prompts each)')
     p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--repeats', type=int, default=1,
+                   help='run every side this many times, alternating their order; each figure the best run')
     p.add_argument('--server', default=DEFAULT_SERVER, help="llama-server binary ('' skips it)")
     p.add_argument('--no-roofline', action='store_true')
     p.add_argument('--seed', type=int, default=0)
@@ -421,8 +429,8 @@ def parse_args(argv=None):
     bad = [f for f in args.lmd_format_list if f not in LMD_FORMATS]
     if bad:
         p.error(f'--lmd-formats: unknown {bad}; choose from {list(LMD_FORMATS)}')
-    if args.decode_out < 2 or args.rounds < 1 or args.warmup < 0:
-        p.error('decode output tokens must be >= 2, --rounds >= 1, --warmup >= 0')
+    if args.decode_out < 2 or args.rounds < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error('decode output tokens must be >= 2, --rounds >= 1, --warmup >= 0, --repeats >= 1')
     return args
 
 
@@ -439,6 +447,7 @@ def build_work(args, model_dir: str) -> dict:
     return {'decode': enc(decode), 'prefill': enc(prefill), 'concurrent': enc(conc[:args.concurrency]),
             'check': list(decode[0].token_ids[:32]), 'warmup': args.warmup, 'concurrency': args.concurrency,
             'n_ctx': longest + 16, 'n_batch': max(512, args.prefill_tokens),
+            'roofline': not args.no_roofline, 'num_threads': args.num_threads,
             'workload': {'decode': describe(decode), 'prefill': describe(prefill), 'concurrent': describe(conc)}}
 
 
@@ -513,22 +522,30 @@ def main(argv=None) -> int:
     script = os.path.abspath(__file__)
     wargv = ['--num-threads', str(args.num_threads), '--model-dir', model_dir, '--work-file', work_file,
              '--llamacpp-extra-bufts', args.llamacpp_extra_bufts]
-    sides = {}
+    # every side once a repeat, the order reversed each other repeat, so that a drift of the machine's
+    # speed does not favour one side; each figure the best of a side's runs
+    order = [(f'lmd_{fmt}', 'lmd', ['--lmd-format', fmt]) for fmt in args.lmd_format_list]
+    for name, path in ggufs.items():
+        order.append((f'llamacpp_{name}', 'llamacpp', ['--gguf', path]))
+        if server and args.concurrency > 0:
+            order.append((f'llamaserver_{name}', 'server', ['--gguf', path, '--server', server,
+                                                             '--timeout', str(args.timeout)]))
+    runs = collections.defaultdict(list)
     try:
-        for fmt in args.lmd_format_list:
-            log(f'lmd TurboMind {fmt} worker starting')
-            sides[f'lmd_{fmt}'] = run_worker(script, 'lmd', wargv + ['--lmd-format', fmt], args.timeout)
-        for name, path in ggufs.items():
-            log(f'llama.cpp {name} worker starting')
-            sides[f'llamacpp_{name}'] = run_worker(script, 'llamacpp', wargv + ['--gguf', path], args.timeout)
-            if server and args.concurrency > 0:
-                log(f'llama-server {name} worker starting')
-                sides[f'llamaserver_{name}'] = run_worker(
-                    script, 'server', wargv + ['--gguf', path, '--server', server, '--timeout', str(args.timeout)],
-                    args.timeout)
+        for rep in range(args.repeats):
+            for side, worker, extra in order if rep % 2 == 0 else order[::-1]:
+                log(f'{side} worker starting' + (f' (repeat {rep + 1} of {args.repeats})' if args.repeats > 1 else ''))
+                runs[side].append(run_worker(script, worker, wargv + extra, args.timeout))
     finally:
         os.unlink(work_file)
-    report.update(sides)
+    sides = {side: best_of_runs(rs, {'decode_batch_1': lambda r: figure(r, 'decode'),
+                                     'prefill': lambda r: figure(r, 'prefill'),
+                                     'concurrent': lambda r: figure(r, 'concurrent')})
+             for side, rs in runs.items()}
+    for side, rs in runs.items():  # each run's bandwidth beside its figures
+        for entry, r in zip(sides[side].get('runs', []), rs):
+            entry['read_gb_per_s'] = ((r.get('decode_batch_1') or {}).get('read_bandwidth') or {}).get('read_gb_per_s')
+    report.update(sides, repeats=args.repeats)
 
     # lmd / llama.cpp for each figure and pair; the concurrent llama.cpp side is llama-server
     comparison = []
@@ -560,16 +577,21 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(os.path.join(model_dir, 'tokenizer.json'))
     report['greedy_check']['text'] = {n: tok.decode(c) for n, c in checks.items()}
 
-    if not args.no_roofline:
-        log('measuring memory bandwidth for the roofline')
-        bw = measure_bandwidth(args.num_threads)
-        roof = {'bandwidth': bw, 'method': 'bound tokens/s = read bandwidth / weight bytes read per decoded token '
-                                           '(every weight once; tied embedding once, as the lm_head read; KV reads '
-                                           'excluded); fraction = measured batch-1 decode tokens/s / bound'}
+    # the roofline's bandwidth: the median of every worker's (one in a few spikes to 45-59 GB/s where most
+    # measure 30-35): the machine's, not one moment's
+    bws = sorted(r['decode_batch_1']['read_bandwidth']['read_gb_per_s'] for rs in runs.values() for r in rs
+                 if 'read_bandwidth' in (r.get('decode_batch_1') or {}))
+    if bws:
+        bw = bws[len(bws) // 2] if len(bws) % 2 else (bws[len(bws) // 2 - 1] + bws[len(bws) // 2]) / 2
+        roof = {'read_gb_per_s': round(bw, 2), 'read_gb_per_s_each_worker': bws,
+                'method': 'bound tokens/s = read bandwidth / weight bytes read per decoded token (every weight once; '
+                          'tied embedding once, as the lm_head read; KV reads excluded); the read bandwidth '
+                          '(common.measure_bandwidth) is the median of those every worker measured right after its '
+                          'decode rounds; fraction = measured batch-1 decode tokens/s / bound'}
         for name, side in sides.items():
             wb, dec = side.get('weight_bytes_per_token'), figure(side, 'decode')
             if wb and dec:
-                bound = bw['read_gb_per_s'] * 1e9 / wb
+                bound = bw * 1e9 / wb
                 roof[name] = {'weight_bytes_per_token': wb, 'bound_tokens_per_s': round(bound, 1),
                               'decode_tokens_per_s': dec, 'fraction_of_bound': round(dec / bound, 3)}
         report['roofline_batch_1'] = roof
