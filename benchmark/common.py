@@ -326,10 +326,11 @@ def guarded_worker(fn, args) -> None:
         json.dump(result, f)
 
 
-def best_of_runs(runs: list[dict], figures: dict) -> dict:
+def best_of_runs(runs: list[dict], figures: dict, listed: dict | None = None) -> dict:
     """One side's report from several runs of it on a machine whose speed drifts: the first successful
     run's, each section in ``figures`` (name -> the figure a run got there, higher better) taken from the
-    run where that figure was best, and ``runs``: every run's figures. All runs failed: the first."""
+    run where that figure was best, and ``runs``: every run's figures (and the values ``listed`` takes
+    from it: name -> getter). All runs failed: the first."""
     good = [r for r in runs if 'error' not in r]
     if len(runs) == 1 or not good:
         return runs[0]
@@ -338,8 +339,8 @@ def best_of_runs(runs: list[dict], figures: dict) -> dict:
         scored = [r for r in good if value(r) is not None]
         if scored:
             best[section] = max(scored, key=value)[section]
-    best['runs'] = [{section: value(r) for section, value in figures.items()} if 'error' not in r else r
-                    for r in runs]
+    getters = {**figures, **(listed or {})}
+    best['runs'] = [{name: get(r) for name, get in getters.items()} if 'error' not in r else r for r in runs]
     return best
 
 

@@ -538,13 +538,11 @@ def main(argv=None) -> int:
                 runs[side].append(run_worker(script, worker, wargv + extra, args.timeout))
     finally:
         os.unlink(work_file)
-    sides = {side: best_of_runs(rs, {'decode_batch_1': lambda r: figure(r, 'decode'),
-                                     'prefill': lambda r: figure(r, 'prefill'),
-                                     'concurrent': lambda r: figure(r, 'concurrent')})
+    sections = {'decode_batch_1': 'decode', 'prefill': 'prefill', 'concurrent': 'concurrent'}
+    bandwidth = {'read_gb_per_s': lambda r: ((r.get('decode_batch_1') or {}).get('read_bandwidth') or {}).get(
+        'read_gb_per_s')}
+    sides = {side: best_of_runs(rs, {s: lambda r, k=k: figure(r, k) for s, k in sections.items()}, bandwidth)
              for side, rs in runs.items()}
-    for side, rs in runs.items():  # each run's bandwidth beside its figures
-        for entry, r in zip(sides[side].get('runs', []), rs):
-            entry['read_gb_per_s'] = ((r.get('decode_batch_1') or {}).get('read_bandwidth') or {}).get('read_gb_per_s')
     report.update(sides, repeats=args.repeats)
 
     # lmd / llama.cpp for each figure and pair; the concurrent llama.cpp side is llama-server

@@ -1,5 +1,6 @@
 """benchmark/common.py's folding of a side's repeated runs (compare_llamacpp.py --repeats): each section
-from the run where its figure was best, every run's figures listed, failed runs kept but never chosen."""
+from the run where its figure was best, every run's figures (and other values asked for) listed, failed
+runs kept but never chosen."""
 from __future__ import annotations
 
 import os
@@ -18,13 +19,14 @@ def run(decode, prefill, **extra):
 
 
 def test_each_section_comes_from_the_run_where_it_was_best():
-    runs = [run(200.0, 700.0, tag='first'), run(231.0, 650.0, tag='second'), {'error': 'worker died'},
-            run(219.0, 720.0, tag='fourth')]
-    best = best_of_runs(runs, FIGURES)
+    runs = [run(200.0, 700.0, tag='first', bw=31.0), run(231.0, 650.0, tag='second', bw=50.0),
+            {'error': 'worker died'}, run(219.0, 720.0, tag='fourth', bw=33.0)]
+    best = best_of_runs(runs, FIGURES, {'bw': lambda r: r['bw']})
     assert best['decode'] == {'tok_s': 231.0, 'rounds': [231.0]}  # the section, whole, from run 2
     assert best['prefill'] == {'tok_s': 720.0}                    # from run 4
-    assert best['tag'] == 'first'  # everything else: the first run that worked
-    assert best['runs'][:2] == [{'decode': 200.0, 'prefill': 700.0}, {'decode': 231.0, 'prefill': 650.0}]
+    assert best['tag'] == 'first' and best['bw'] == 31.0  # everything else: the first run that worked
+    assert best['runs'][:2] == [{'decode': 200.0, 'prefill': 700.0, 'bw': 31.0},
+                                {'decode': 231.0, 'prefill': 650.0, 'bw': 50.0}]
     assert best['runs'][2] == {'error': 'worker died'} and best['runs'][3]['prefill'] == 720.0
     assert 'error' not in best
 
