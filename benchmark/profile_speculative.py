@@ -12,7 +12,9 @@ over the time from the first token to the last. ``acceptance_length`` is the mea
 verification step gives (1 + accepted drafts / drafts, from the engine's counters);
 ``same_output`` says whether the answer equals the one without speculation (it must, for greedy);
 ``all`` is the workload's: its decode tokens over its decode time, all tasks together. lmd's engines
-run with ``adaptive_draft_length`` (the default); ``--fixed`` adds each draft length fixed.
+run with ``adaptive_draft_length`` (the default); ``--fixed`` adds each draft length fixed. With
+``--repeats N`` each engine's sides with and without drafts run N times in alternating order, each
+task's rate the best of its runs (one run of each, in turn, moved a 4-bit ratio by ±0.1).
 llama.cpp runs the same GGUF through llama-cpp-python: ``Llama`` without a draft model, then with
 ``LlamaPromptLookupDecoding(num_pred_tokens=K)``, streaming the same rendered prompt. On CPUs with AMX
 its repacked weight buffers crash (llama.cpp 0.3.36): they are turned off there, and the report says so.
@@ -120,6 +122,18 @@ def against(side: dict, base: dict) -> None:
                        speedup=round(r / rate(tasks(base)), 2), same_output=all(x['same_output'] for x in rs), text='')
 
 
+def repeated(run_side, keys: list, repeats: int) -> dict:
+    """{key: run_side(key)} over ``repeats`` runs of every key, their order reversed each other time, each
+    task's figures from its run with the best decode rate (the answers are the same in every run): a
+    drift of the machine's speed then favours neither the speculating side nor its baseline."""
+    got = {k: [] for k in keys}
+    for rep in range(repeats):
+        for k in keys if rep % 2 == 0 else keys[::-1]:
+            got[k].append(run_side(k))
+    return {k: {task: max((s[task] for s in sides), key=lambda r: r['decode_tok_s']) for task in sides[0]}
+            for k, sides in got.items()}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--model', default=None, help="a GGUF file or model directory (default: SmolLM2's Q4_1 GGUF)")
@@ -128,6 +142,8 @@ def parse_args(argv=None):
     p.add_argument('--max-new-tokens', type=int, default=192)
     p.add_argument('--num-threads', type=int, default=DEFAULT_THREADS)
     p.add_argument('--no-llamacpp', action='store_true')
+    p.add_argument('--repeats', type=int, default=1,
+                   help='run every side (with and without drafts) this many times, alternating; each task its best')
     p.add_argument('--fixed', action='store_true',
                    help='also run each draft length fixed (adaptive_draft_length=False: every step drafts all it can)')
     p.add_argument('--draft-model', default=None,
@@ -154,13 +170,14 @@ def main(argv=None) -> int:
     messages = {task: [{'role': 'user', 'content': t.format(passage=text)}] for task, t in TASKS.items()}
     ks = [int(k) for k in args.num_draft_tokens.split(',')]
     report = dict(model=model, num_threads=args.num_threads, max_new_tokens=args.max_new_tokens, passage=text,
-                  runs=[])
+                  repeats=args.repeats, runs=[])
     for backend in args.backends.split(','):
-        base = None
-        for k in [None, *ks]:
+        def one(k, backend=backend):
             log(f'{backend}, draft tokens {k}')
-            side = lmd_side(model, backend, k, messages, args.max_new_tokens)
-            base = base or side
+            return lmd_side(model, backend, k, messages, args.max_new_tokens)
+        sides = repeated(one, [None, *ks], args.repeats)
+        base = sides[None]
+        for k, side in sides.items():
             against(side, base)
             report['runs'].append(dict(engine=f'lmd {backend}', draft_tokens=k, tasks=side))
         for k in ks if args.fixed else []:
@@ -180,12 +197,12 @@ def main(argv=None) -> int:
         with open('/proc/cpuinfo') as f:
             extra = 'amx_tile' not in f.read().split()
         report['llamacpp_extra_bufts'] = extra
-        base = None
-        for k in [None, *ks]:
+        def one_llamacpp(k):
             log(f'llama.cpp, prompt lookup {k}')
-            side = llamacpp_side(model, k, rendered, args.max_new_tokens, args.num_threads, extra)
-            base = base or side
-            against(side, base)
+            return llamacpp_side(model, k, rendered, args.max_new_tokens, args.num_threads, extra)
+        sides = repeated(one_llamacpp, [None, *ks], args.repeats)
+        for k, side in sides.items():
+            against(side, sides[None])
             report['runs'].append(dict(engine='llama.cpp', draft_tokens=k, tasks=side))
     table(report)
     for run in report['runs']:
