@@ -2,7 +2,9 @@
 cache to the machine's bandwidth: ``ops.paged_decode_attention`` for B decode rows of ``--ctx``
 tokens each over ``--layers`` layers' caches (SmolLM2-135M's heads: 9 query, 3 KV of 64), the
 layers taken in turn so that each layer's cache comes from memory (``cold``) and one layer over
-and over (``warm``: its cache in the last-level cache). Beside it, in the same run, the read
+and over (``warm``: its cache in the last-level cache). Unless ``--layers`` says otherwise, there are
+as many layers as hold ``COLD_BYTES`` of cache, at least 30: fewer (30 layers of one row at 200
+tokens are 9 MB) would stay in the last-level cache and read warm as cold. Beside it, in the same run, the read
 bandwidth of a plain streaming sum on the same threads (``common.measure_bandwidth``).
 
     python benchmark/attention_cpu.py                       # 16 rows of 400 tokens, 2 threads
@@ -28,13 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import best_seconds, cpu_info, load_average, measure_bandwidth  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+COLD_BYTES = 128 << 20  # four times these machines' 32 MB L3
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--rows', type=int, default=16, help='decode rows (sequences) a step')
     p.add_argument('--ctx', type=int, default=400, help='tokens in each row\'s context')
-    p.add_argument('--layers', type=int, default=30, help='layers\' caches taken in turn (cold)')
+    p.add_argument('--layers', type=int, default=None,
+                   help=f'layers\' caches taken in turn (cold); default: {COLD_BYTES >> 20} MB of them, at least 30')
     p.add_argument('--block-size', type=int, default=64, help="the cache's tokens a block (TurboMind's default)")
     p.add_argument('--dtype', choices=('float32', 'bfloat16', 'float16'), default='float32')
     p.add_argument('--num-threads', type=int, default=2)
@@ -48,6 +52,8 @@ def main(argv=None) -> dict:
     nb = (args.ctx + bs - 1) // bs
     blocks = B * nb + 1
     shape = (blocks, bs, KV_HEADS, HEAD_DIM)
+    layer_bytes = 2 * blocks * bs * KV_HEADS * HEAD_DIM * dtype.itemsize
+    args.layers = args.layers or max(30, -(-COLD_BYTES // layer_bytes))
     caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
     tables = torch.randperm(blocks)[:B * nb].view(B, nb).to(torch.int32).contiguous()  # scattered, as a served cache
     lens = torch.full((B,), args.ctx, dtype=torch.int32)
