@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from lmd.lite.awq import auto_awq, fake_quantize_w4, quantize_rtn, quantize_w4, search_scale
+from lmd.lite.awq import auto_awq, dequantize_w4, fake_quantize_w4, quantize_rtn, quantize_w4, search_scale
 from lmd.lite.calib_data import calib_text, calib_tokens
 from lmd.lite.calibrate import LINEARS, STATS_FILE, calibrate
 from lmd.lite.smooth_quant import smooth_quant
@@ -87,6 +87,7 @@ def test_awq_pack_round_trip(sym):
     packed = to_awq(q, scales, zeros)
     assert [list(t.shape) for t in packed.values()] == [[256, 6], [4, 6], [4, 48]]  # qweight, qzeros, scales
     deq = fake_quantize_w4(w, 64, sym)
+    assert torch.equal(deq, dequantize_w4(q, scales, zeros))  # the searches' shortcut: the same bits
     assert torch.equal(dequantize_w4a16(*from_awq(packed['qweight'], packed['qzeros'], packed['scales'])), deq)
     # round to nearest: within half a step of w (plus the fp16 rounding of the scale)
     step = scales.float().repeat_interleave(64, 1)
