@@ -2,10 +2,10 @@
 cache to the machine's bandwidth: ``ops.paged_decode_attention`` for B decode rows of ``--ctx``
 tokens each over ``--layers`` layers' caches (SmolLM2-135M's heads: 9 query, 3 KV of 64), the
 layers taken in turn so that each layer's cache comes from memory (``cold``) and one layer over
-and over (``warm``: its cache in the last-level cache). Unless ``--layers`` says otherwise, there are
-as many layers as hold ``COLD_BYTES`` of cache, at least 30: fewer (30 layers of one row at 200
-tokens are 9 MB) would stay in the last-level cache and read warm as cold. Beside it, in the same run, the read
-bandwidth of a plain streaming sum on the same threads (``common.measure_bandwidth``).
+and over (``warm``: its cache in the last-level cache). Unless ``--layers`` says otherwise, there
+are as many layers as hold ``COLD_BYTES`` of cache, at least 30: fewer (30 layers of one row at 200
+tokens are 9 MB) would stay in the last-level cache and read warm as cold. Beside it, in the same
+run, the read bandwidth of a plain streaming sum on the same threads (``common.measure_bandwidth``).
 
     python benchmark/attention_cpu.py                       # 16 rows of 400 tokens, 2 threads
     python benchmark/attention_cpu.py --rows 1 --ctx 2048 --block-size 16

@@ -13,8 +13,8 @@ llama.cpp, ...) with these parts, so that a figure means the same in every scrip
   machine was and did while the figures were taken (these machines are shared: the load average
   says whether a figure can be trusted).
 - ``run_worker`` / ``guarded_worker``: each engine in its own subprocess, so its peak RSS is its own;
-  the worker writes its result (or a one-line error) to a JSON file the parent reads; ``best_of_runs``
-  folds several runs of one side into one report.
+  the worker writes its result (or a one-line error) to a JSON file the parent reads; ``alternating``
+  repeats the sides in alternating order and ``best_of_runs`` folds a side's runs into one report.
 - ``emit``: the one JSON object on stdout, with the load average before and after.
 """
 from __future__ import annotations
@@ -156,6 +156,20 @@ def decode_rate(timings: list[RequestTiming]) -> float:
     later = sum(t.num_tokens - t.counts[0] for t in timings)
     window = max(t.stamps[-1] for t in timings) - min(t.stamps[0] for t in timings)
     return later / window if window > 0 else float('nan')
+
+
+def concurrent_round(run, prompts: list[Prompt], name: str) -> dict:
+    """``run(prompts)`` (all at once: their RequestTimings) as one round: output and total tokens/s over its
+    wall time, and the requests' latencies (``summarize``)."""
+    t0 = time.perf_counter()
+    timings = run(prompts)
+    wall = max(t.stamps[-1] for t in timings) - t0
+    tokens = sum(t.num_tokens for t in timings)
+    log(f'{name} {len(prompts)} concurrent: {tokens / wall:.1f} output tok/s')
+    return {'num_requests': len(prompts), 'wall_s': round(wall, 3), 'output_tokens': tokens,
+            'output_tokens_per_s': round(tokens / wall, 2),
+            'total_tokens_per_s': round((tokens + sum(p.input_len for p in prompts)) / wall, 2),
+            'exact_token_counts': all(t.num_tokens == t.output_len for t in timings), **summarize(timings)}
 
 
 async def lmd_request(engine, prompt: Prompt, submit: float | None = None) -> RequestTiming:
@@ -324,6 +338,14 @@ def guarded_worker(fn, args) -> None:
         result = {'error': f'{type(e).__name__}: {e}'}
     with open(args.result_file, 'w') as f:
         json.dump(result, f)
+
+
+def alternating(items: list, repeats: int):
+    """``items`` ``repeats`` times over, the order reversed every other time: a drift of the machine's speed
+    during the run then favours none of them. Yields (repeat, item)."""
+    for rep in range(repeats):
+        for item in items if rep % 2 == 0 else items[::-1]:
+            yield rep, item
 
 
 def best_of_runs(runs: list[dict], figures: dict, listed: dict | None = None) -> dict:

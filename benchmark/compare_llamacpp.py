@@ -22,7 +22,7 @@ W4A16 vs llama.cpp Q4_1 (4-bit). The batch-1 roofline of each: tokens/s <= read 
 weight bytes read per token, the bandwidth the median of those every worker measured right after its
 decode rounds (on these machines one worker in a few measures 45-59 GB/s where most measure 30-35).
 With ``--repeats N`` every side runs N times, their order reversed each other time, and each figure
-is the side's best run: these shared machines drift by 10-20% within minutes, which one run of each
+is the side's best run: these shared machines drift by 10-30% within minutes, which one run of each
 side, one after the other, would read as a difference between the engines.
 
 Prints one JSON object on stdout; progress goes to stderr. Exits 2 when a side failed.
@@ -34,18 +34,17 @@ import asyncio
 import collections
 import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RequestTiming, add_engine_args, add_worker_args, best_of_runs, cpu_seconds, decode_rate, emit,
-                    engine_config, guarded_worker, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib,
-                    percentiles, ratio, rss_mib, run_worker, set_threads, summarize)
+from common import (RequestTiming, add_engine_args, add_worker_args, alternating, best_of_runs, concurrent_round,
+                    cpu_seconds,
+                    decode_rate, emit, engine_config, guarded_worker, lmd_batch, load_average, log, measure_bandwidth,
+                    peak_rss_mib, percentiles, ratio, rss_mib, run_worker, set_threads, summarize)
+import llamacpp_server  # noqa: E402
 from gguf_files import gguf_file_type, gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
 
@@ -248,135 +247,8 @@ def run_phases(run, work: dict, name: str) -> dict:
     return out
 
 
-def concurrent_round(run, prompts: list[Prompt], name: str) -> dict:
-    t0 = time.perf_counter()
-    timings = run(prompts)
-    wall = max(t.stamps[-1] for t in timings) - t0
-    tokens = sum(t.num_tokens for t in timings)
-    log(f'{name} {len(prompts)} concurrent: {tokens / wall:.1f} output tok/s')
-    return {'num_requests': len(prompts), 'wall_s': round(wall, 3), 'output_tokens': tokens,
-            'output_tokens_per_s': round(tokens / wall, 2),
-            'total_tokens_per_s': round((tokens + sum(p.input_len for p in prompts)) / wall, 2),
-            'exact_token_counts': all(t.num_tokens == t.output_len for t in timings), **summarize(timings)}
-
-
-# ---- llama-server worker ------------------------------------------------------------------------------
-
-
-def post_json(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={'Content-Type': 'application/json'})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def server_request(base: str, prompt: Prompt, t0: float, timeout: float) -> tuple[RequestTiming, dict]:
-    """One non-streamed greedy completion of ``prompt``'s token ids (no prompt cache, EOS ignored)."""
-    body = {'prompt': list(prompt.token_ids), 'n_predict': prompt.output_len, 'ignore_eos': True,
-            'temperature': 0.0, 'top_k': 1, 'cache_prompt': False, 'stream': False}
-    r = post_json(base + '/completion', body, timeout)
-    done = time.perf_counter()
-    t = r.get('timings', {})
-    n = int(r.get('tokens_predicted', t.get('predicted_n', 0)))
-    timing = RequestTiming(t0, prompt.output_len)
-    # the server's own split: prompt time, then the rest; the client sees only the end
-    first = done - t.get('predicted_ms', 0) / 1000 + (t.get('predicted_per_token_ms', 0) / 1000 if n else 0)
-    timing.add(min(first, done), 1)
-    timing.add(done, n)
-    return timing, t
-
-
-def server_worker(args, work: dict) -> dict:
-    import socket
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    conc = work['concurrency']
-    longest = max(len(p['ids']) + p['out'] for p in work['concurrent'])
-    n_ctx = conc * (longest + 16)  # each slot gets n_ctx / np
-    repack = [] if extra_bufts(args) else ['--no-repack']
-    cmd = [args.server, '-m', args.gguf, *repack, '-t', str(args.num_threads), '-tb', str(args.num_threads),
-           '-np', str(conc), '-cb', '-c', str(n_ctx), '--host', '127.0.0.1', '--port', str(port)]
-    with tempfile.TemporaryFile('w+') as log_file:
-        return _serve_and_run(args, work, cmd, port, log_file)
-
-
-def _serve_and_run(args, work: dict, cmd: list[str], port: int, log_file) -> dict:
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    base = f'http://127.0.0.1:{port}'
-    try:
-        while True:
-            if proc.poll() is not None:
-                log_file.seek(0)
-                raise RuntimeError(f'llama-server exited with {proc.returncode}: {log_file.read()[-2000:]}')
-            try:
-                with urllib.request.urlopen(base + '/health', timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.perf_counter() - t > 300:
-                raise RuntimeError('llama-server did not become healthy within 300 s')
-            time.sleep(0.2)
-        result = {'engine': 'llama.cpp llama-server', 'command': ' '.join(cmd), 'gguf': args.gguf,
-                  'load_s': round(time.perf_counter() - t, 2)}
-        prompts = [Prompt(tuple(p['ids']), p['out']) for p in work['concurrent']]
-        server_timings: list[dict] = []
-
-        def run(ps: list[Prompt]) -> list[RequestTiming]:
-            t0 = time.perf_counter()
-            out: list = [None] * len(ps)
-
-            def one(i):
-                out[i] = server_request(base, ps[i], t0, args.timeout)
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            if any(o is None for o in out):
-                raise RuntimeError('a llama-server request failed (see stderr)')
-            server_timings[:] = [o[1] for o in out]
-            return [o[0] for o in out]
-
-        cpu0 = server_cpu_seconds(proc.pid)
-        run([Prompt(p.token_ids[:16], WARMUP_TOKENS) for p in prompts[:2]])
-        t_run = time.perf_counter()
-        res = concurrent_round(run, prompts, 'llama-server')
-        # only end-to-end is seen by a non-streaming client: TTFT/TPOT below come from the server's timings
-        for k in ('ttft_s', 'tpot_s', 'itl_s'):
-            res.pop(k, None)
-        res['server_prompt_ms'] = percentiles([s.get('prompt_ms', 0) for s in server_timings], 1)
-        res['server_predicted_per_token_ms'] = percentiles([s.get('predicted_per_token_ms', 0)
-                                                            for s in server_timings], 2)
-        result['concurrent'] = res
-        result['server_cpu_utilization'] = round((server_cpu_seconds(proc.pid) - cpu0)
-                                                 / (time.perf_counter() - t_run), 2)
-        result['server_peak_rss_mib'] = server_peak_rss_mib(proc.pid)
-        return result
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def server_cpu_seconds(pid: int) -> float:
-    with open(f'/proc/{pid}/stat') as f:
-        fields = f.read().rsplit(')', 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')  # utime + stime
-
-
-def server_peak_rss_mib(pid: int) -> float:
-    with open(f'/proc/{pid}/status') as f:
-        for line in f:
-            if line.startswith('VmHWM:'):
-                return round(int(line.split()[1]) / 1024, 1)
-    return float('nan')
-
-
-WORKERS = {'lmd': lmd_worker, 'llamacpp': llamacpp_worker, 'server': server_worker}
+WORKERS = {'lmd': lmd_worker, 'llamacpp': llamacpp_worker,
+           'server': lambda args, work: llamacpp_server.server_worker(args, work, extra_bufts(args), WARMUP_TOKENS)}
 
 
 def worker_main(args) -> dict:
@@ -462,6 +334,11 @@ def figure(side: dict, key: str):
         return None
 
 
+def read_gb_per_s(side: dict) -> float | None:
+    """The roofline's bandwidth a worker measured after its decode rounds (None: it measured none)."""
+    return ((side.get('decode_batch_1') or {}).get('read_bandwidth') or {}).get('read_gb_per_s')
+
+
 def agreement(a: list[int] | None, b: list[int] | None) -> dict | None:
     if not a or not b:
         return None
@@ -532,16 +409,14 @@ def main(argv=None) -> int:
                                                              '--timeout', str(args.timeout)]))
     runs = collections.defaultdict(list)
     try:
-        for rep in range(args.repeats):
-            for side, worker, extra in order if rep % 2 == 0 else order[::-1]:
-                log(f'{side} worker starting' + (f' (repeat {rep + 1} of {args.repeats})' if args.repeats > 1 else ''))
-                runs[side].append(run_worker(script, worker, wargv + extra, args.timeout))
+        for rep, (side, worker, extra) in alternating(order, args.repeats):
+            log(f'{side} worker starting' + (f' (repeat {rep + 1} of {args.repeats})' if args.repeats > 1 else ''))
+            runs[side].append(run_worker(script, worker, wargv + extra, args.timeout))
     finally:
         os.unlink(work_file)
     sections = {'decode_batch_1': 'decode', 'prefill': 'prefill', 'concurrent': 'concurrent'}
-    bandwidth = {'read_gb_per_s': lambda r: ((r.get('decode_batch_1') or {}).get('read_bandwidth') or {}).get(
-        'read_gb_per_s')}
-    sides = {side: best_of_runs(rs, {s: lambda r, k=k: figure(r, k) for s, k in sections.items()}, bandwidth)
+    sides = {side: best_of_runs(rs, {s: lambda r, k=k: figure(r, k) for s, k in sections.items()},
+                                {'read_gb_per_s': read_gb_per_s})
              for side, rs in runs.items()}
     report.update(sides, repeats=args.repeats)
 
@@ -577,10 +452,9 @@ def main(argv=None) -> int:
 
     # the roofline's bandwidth: the median of every worker's (one in a few spikes to 45-59 GB/s where most
     # measure 30-35): the machine's, not one moment's
-    bws = sorted(r['decode_batch_1']['read_bandwidth']['read_gb_per_s'] for rs in runs.values() for r in rs
-                 if 'read_bandwidth' in (r.get('decode_batch_1') or {}))
+    bws = sorted(b for rs in runs.values() for r in rs if (b := read_gb_per_s(r)) is not None)
     if bws:
-        bw = bws[len(bws) // 2] if len(bws) % 2 else (bws[len(bws) // 2 - 1] + bws[len(bws) // 2]) / 2
+        bw = statistics.median(bws)
         roof = {'read_gb_per_s': round(bw, 2), 'read_gb_per_s_each_worker': bws,
                 'method': 'bound tokens/s = read bandwidth / weight bytes read per decoded token (every weight once; '
                           'tied embedding once, as the lm_head read; KV reads excluded); the read bandwidth '

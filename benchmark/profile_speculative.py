@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEFAULT_THREADS, emit, load_average, log, set_threads  # noqa: E402
+from common import DEFAULT_THREADS, alternating, emit, load_average, log, set_threads  # noqa: E402
 
 TASKS = {
     'copy': 'Copy the following text exactly, word for word, and write nothing else.\n\n{passage}',
@@ -127,9 +127,8 @@ def repeated(run_side, keys: list, repeats: int) -> dict:
     task's figures from its run with the best decode rate (the answers are the same in every run): a
     drift of the machine's speed then favours neither the speculating side nor its baseline."""
     got = {k: [] for k in keys}
-    for rep in range(repeats):
-        for k in keys if rep % 2 == 0 else keys[::-1]:
-            got[k].append(run_side(k))
+    for _, k in alternating(keys, repeats):
+        got[k].append(run_side(k))
     return {k: {task: max((s[task] for s in sides), key=lambda r: r['decode_tok_s']) for task in sides[0]}
             for k, sides in got.items()}
 
@@ -143,7 +142,8 @@ def parse_args(argv=None):
     p.add_argument('--num-threads', type=int, default=DEFAULT_THREADS)
     p.add_argument('--no-llamacpp', action='store_true')
     p.add_argument('--repeats', type=int, default=1,
-                   help='run every side (with and without drafts) this many times, alternating; each task its best')
+                   help='run every side with and without n-gram drafts this many times, alternating; each task '
+                        'its best (the --fixed and --draft-model sides run once)')
     p.add_argument('--fixed', action='store_true',
                    help='also run each draft length fixed (adaptive_draft_length=False: every step drafts all it can)')
     p.add_argument('--draft-model', default=None,

@@ -1,6 +1,6 @@
-"""benchmark/common.py's folding of a side's repeated runs (compare_llamacpp.py --repeats): each section
-from the run where its figure was best, every run's figures (and other values asked for) listed, failed
-runs kept but never chosen."""
+"""benchmark/common.py's repeated runs (compare_llamacpp.py --repeats): the sides in alternating order, and a
+side's runs folded, each section from the run where its figure was best, every run's figures (and other
+values asked for) listed, failed runs kept but never chosen."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import sys
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark')
 sys.path.insert(0, BENCH)
-from common import best_of_runs  # noqa: E402
+from common import alternating, best_of_runs  # noqa: E402
 
 FIGURES = {'decode': lambda r: (r.get('decode') or {}).get('tok_s'),
            'prefill': lambda r: (r.get('prefill') or {}).get('tok_s')}
@@ -43,3 +43,9 @@ def test_a_section_no_run_has_stays_absent():
     best = best_of_runs(runs, FIGURES)
     assert best['decode'] == {'tok_s': 2.0} and 'prefill' not in best
     assert best['runs'] == [{'decode': 1.0, 'prefill': None}, {'decode': 2.0, 'prefill': None}]
+
+
+def test_alternating_reverses_the_order_every_other_repeat():
+    assert list(alternating(['a', 'b', 'c'], 3)) == [(0, 'a'), (0, 'b'), (0, 'c'), (1, 'c'), (1, 'b'), (1, 'a'),
+                                                      (2, 'a'), (2, 'b'), (2, 'c')]
+    assert list(alternating(['a'], 0)) == []

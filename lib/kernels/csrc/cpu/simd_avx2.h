@@ -82,7 +82,7 @@ constexpr int kMaxHeadDim = 256;  // the attention kernels keep a head in regist
 // in a decode step (every layer's weights read in between) each line is a trip to memory. Into L2,
 // not L1, whose few outstanding misses held the stream to about half the read bandwidth: a decode row
 // over 1024 tokens of SmolLM2's float cache went from 105 to 62 us a layer on two threads
-// (`python benchmark/attention_cpu.py --rows 1 --ctx 1024`).
+// (`python benchmark/attention_cpu.py --rows 1 --ctx 1024 --layers 30`).
 // slice(t): the address of token t's slice, `bytes` long; tokens [begin, end) are read, in order.
 template <typename Slice>
 class SliceStream {
