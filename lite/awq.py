@@ -61,11 +61,16 @@ def quantize_w4(w: torch.Tensor, group_size: int, sym: bool = False):
     """w [N, K] -> (q uint8 [N, K] in 0..15, scales fp16 [N, K // G], zeros uint8 [N, K // G]) with
     w ~ (q - zeros) * scales per group of G consecutive k. Asymmetric: the group's [min, max] spans
     0..15; symmetric: max |w| is 7 steps and zeros are 8. The fp16 scales are the ones rounded with."""
+    q, scales, zeros = _codes(w, group_size, sym)
+    return q.reshape(w.shape).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def _codes(w: torch.Tensor, group_size: int, sym: bool):
+    """quantize_w4's codes as float32 [N, K // G, G], its fp16 scales and float32 zeros [N, K // G]."""
     n, k = w.shape
     g = w.float().reshape(n, k // group_size, group_size)
     scales, zeros = group_params(g, sym)
-    q = (torch.round(g / scales.float()[..., None]) + zeros[..., None]).clamp(0, 15)
-    return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+    return (torch.round(g / scales.float()[..., None]) + zeros[..., None]).clamp_(0, 15), scales, zeros
 
 
 def group_params(g: torch.Tensor, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +94,8 @@ def fake_quantize_w4(w: torch.Tensor, group_size: int, sym: bool = False) -> tor
     """The float32 weight ``w`` stands for once quantized: dequantize_w4(*quantize_w4(w, ...)) bit for bit (the
     same float operations; the codes 0..15 and zero points pass through uint8 exactly), without the round trip
     through uint8 (the scale and clip searches call this for every candidate: half their time before)."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
-    scales, zeros = group_params(g, sym)
-    s, z = scales.float()[..., None], zeros[..., None]
-    return (torch.round(g / s) + z).clamp_(0, 15).sub_(z).mul_(s).reshape(n, k)
+    q, scales, zeros = _codes(w, group_size, sym)
+    return q.sub_(zeros[..., None]).mul_(scales.float()[..., None]).reshape(w.shape)
 
 
 def output_error(dw: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
