@@ -210,6 +210,21 @@ def cpu_info() -> dict:
     return info
 
 
+LLAMACPP_EXTRA_BUFTS_HELP = ("llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama.cpp "
+                             '(llama-cpp-python 0.3.36 and its llama-server) crashes in them on quantized types')
+
+
+def llamacpp_extra_bufts(setting: str = 'auto') -> bool:
+    """Whether llama.cpp may repack weights into its extra (CPU-specific / AMX) buffers: 'on', 'off', or
+    'auto': not on a CPU with AMX, where llama-cpp-python 0.3.36's and its llama-server's repack / AMX
+    buffers crash (SIGSEGV) on every quantized type. Off is ``use_extra_bufts = False`` in
+    llama-cpp-python's model params and ``--no-repack`` for llama-server."""
+    if setting != 'auto':
+        return setting == 'on'
+    with open('/proc/cpuinfo') as f:
+        return 'amx_tile' not in f.read().split()
+
+
 def load_average() -> list[float]:
     """The 1/5/15-minute load: other work on the same cores skews every figure."""
     return [round(x, 2) for x in os.getloadavg()]

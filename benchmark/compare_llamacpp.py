@@ -40,10 +40,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RequestTiming, add_engine_args, add_worker_args, alternating, best_of_runs, concurrent_round,
-                    cpu_seconds,
-                    decode_rate, emit, engine_config, guarded_worker, lmd_batch, load_average, log, measure_bandwidth,
-                    peak_rss_mib, percentiles, ratio, rss_mib, run_worker, set_threads, summarize)
+from common import (LLAMACPP_EXTRA_BUFTS_HELP, RequestTiming, add_engine_args, add_worker_args, alternating,
+                    best_of_runs, concurrent_round, cpu_seconds, decode_rate, emit, engine_config, guarded_worker,
+                    llamacpp_extra_bufts, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib, percentiles,
+                    ratio, rss_mib, run_worker, set_threads, summarize)
 import llamacpp_server  # noqa: E402
 from gguf_files import gguf_file_type, gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
@@ -182,11 +182,7 @@ class LlamaCppRunner:
 
 
 def extra_bufts(args) -> bool:
-    """Whether llama.cpp may repack weights into its extra (CPU-specific / AMX) buffers."""
-    if args.llamacpp_extra_bufts != 'auto':
-        return args.llamacpp_extra_bufts == 'on'
-    with open('/proc/cpuinfo') as f:
-        return 'amx_tile' not in f.read().split()
+    return llamacpp_extra_bufts(args.llamacpp_extra_bufts)
 
 
 def llamacpp_worker(args, work: dict) -> dict:
@@ -267,8 +263,7 @@ def parse_args(argv=None):
     p.add_argument('--gguf', default=None, help='llama.cpp quantized model (default: --model when it is a .gguf '
                    'file, else the shipped SmolLM2 Q4_1 GGUF)')
     p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
-                   help="llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama-cpp-python "
-                        '0.3.36 crashes in them on quantized types')
+                   help=LLAMACPP_EXTRA_BUFTS_HELP)
     p.add_argument('--f16-gguf', default=None,
                    help=f'llama.cpp 16-bit model; written from --gguf when missing '
                         f'(default: {LLAMACPP_DIR}/<gguf name>.F16.gguf)')

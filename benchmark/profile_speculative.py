@@ -30,7 +30,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DEFAULT_THREADS, alternating, emit, load_average, log, set_threads  # noqa: E402
+from common import (DEFAULT_THREADS, alternating, emit, llamacpp_extra_bufts, load_average, log,  # noqa: E402
+                    set_threads)
 
 TASKS = {
     'copy': 'Copy the following text exactly, word for word, and write nothing else.\n\n{passage}',
@@ -194,8 +195,7 @@ def main(argv=None) -> int:
     if not args.no_llamacpp and model.endswith('.gguf'):
         template = _TemplateOnly(model)
         rendered = {task: template.render_chat(msgs) for task, msgs in messages.items()}
-        with open('/proc/cpuinfo') as f:
-            extra = 'amx_tile' not in f.read().split()
+        extra = llamacpp_extra_bufts()
         report['llamacpp_extra_bufts'] = extra
         def one_llamacpp(k):
             log(f'llama.cpp, prompt lookup {k}')
