@@ -458,12 +458,14 @@ class PytorchEngine(Engine):
         """Take ``seq``'s tokens from its drafted step's rows ``row`` .. ``row + len(draft)`` (speculative.py):
         each chosen by the sampler from the request's state so far and handed on as any generated token,
         until one differs from the draft or the request ends; then keep the accepted drafts' KV."""
+        from .sampler import greedy_ids
+
         draft = seq.draft_token_ids
         seq.draft_token_ids = ()
         state = seq.sampling_state
         greedy = state.greedy and not state.needs_processing() and seq.sampling.logprobs is None
         if greedy:  # the common case: every row's argmax at once
-            targets = logits[row:row + len(draft) + 1].argmax(dim=-1).tolist()
+            targets = greedy_ids(logits[row:row + len(draft) + 1]).tolist()
         accepted = 0
         for j in range(len(draft) + 1):
             if greedy:

@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 
+#include "cpu/argmax.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
 
@@ -83,13 +84,8 @@ void process_row(const float * x, int64_t V, const SamplingState & s, float * ou
     }
 }
 
-int32_t argmax(const float * x, int64_t V) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i) {
-        if (x[i] > x[best]) best = i;  // strict: ties keep the lowest id
-    }
-    return (int32_t) best;
-}
+// the greedy id: ties keep the lowest id, the first NaN wins (cpu/argmax.h, torch.argmax)
+int32_t argmax(const float * x, int64_t V) { return lmd::cpu::argmax_row(x, V); }
 
 // The k best ids of x, best first, into ids[0, k).
 void top_k_ids(const float * x, int64_t V, int64_t k, RowScratch & sc) {

@@ -14,6 +14,7 @@
 #include "core/py_tensor.h"
 #include "core/tensor.h"
 #include "bindings/kv_cache.h"
+#include "cpu/argmax.h"
 #include "cpu/draft_length.h"
 #include "cpu/kernels.h"
 #include "cpu/lora.h"
@@ -200,6 +201,16 @@ void silu_and_mul(py::handle x_h, py::handle out_h, bool reference) {
     cpu::silu_and_mul(x, out, reference);
 }
 
+void argmax(py::handle logits_h, py::handle out_h, bool reference) {
+    const TensorView logits = view_of(logits_h, "logits"), out = view_of(out_h, "out");
+    expect(logits.ndim == 2 && logits.stride(1) == 1 && logits.size(1) >= 1 && logits.dtype == DType::f32, "logits",
+           logits, "must be a float32 [B, V] tensor (V >= 1) with unit stride in V");
+    expect(out.ndim == 1 && out.size(0) == logits.size(0) && out.stride(0) == 1 &&
+           (out.dtype == DType::i32 || out.dtype == DType::i64), "out", out, "must be a contiguous int32 or int64 [B]");
+    py::gil_scoped_release release;
+    cpu::argmax(logits, out, reference);
+}
+
 void gelu_tanh_and_mul(py::handle x_h, py::handle out_h) {
     const TensorView x = view_of(x_h, "x"), out = view_of(out_h, "out");
     check_gated(x, out);
@@ -255,6 +266,9 @@ void bind_ops(py::module_ & m) {
             "k_params and v_params, k and v are quantized into the cache (see paged_decode_attention).");
     ops.def("silu_and_mul", &silu_and_mul, py::arg("x"), py::arg("out"), py::arg("reference") = false,
             "out[T, I] = silu(x[:, :I]) * x[:, I:].");
+    ops.def("argmax", &argmax, py::arg("logits"), py::arg("out"), py::arg("reference") = false,
+            "out[b] = the greedy token of logits[b]: its largest value's index, ties to the lowest, the first NaN "
+            "before any number (torch.argmax).");
     ops.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, py::arg("x"), py::arg("out"),
             "out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU: torch's gelu(approximate='tanh')).");
     ops.def("ngram_propose", [](const std::vector<int32_t> & tokens, int min_n, int max_n, int k) {
