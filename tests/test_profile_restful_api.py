@@ -39,6 +39,7 @@ def test_prompts_have_exact_lengths_and_reencode(model_dir):
     (['--input-len', '10,5'], '1 <= LO <= HI'),
     (['--request-rate', '0'], '--request-rate must be > 0'),
     (['--concurrency', '-1'], '--concurrency must be >= 0'),
+    (['--repeats', '0'], '--repeats must be >= 1'),
     (['--endpoint', 'chat', '--prompt-format', 'ids'], '--prompt-format ids applies to --endpoint completions'),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
@@ -99,3 +100,17 @@ def test_table_has_a_ratio_column_per_lmd_and_peer():
     assert row.split('|')[-3:-1] == [' 2.00 ', ' 3.00 ']
     row = next(line for line in lines if line.startswith('| TTFT P99 (ms) |'))
     assert row.split('|')[-3:-1] == [' 2.00 ', ' 0.50 ']
+
+
+def test_repeats_keep_each_servers_best_good_run():
+    def run(tok_s, ok=True, error=None):
+        r = {'server': 'lmd', 'output_tokens_per_s': tok_s, 'ttft_ms': {'p99': 10.0 * tok_s},
+             'token_check': {'ok': ok}}
+        return {**r, 'error': error} if error else r
+    one = run(5.0)
+    assert bench.best_run([one]) is one                                  # a single run passes through as is
+    best = bench.best_run([run(100.0), run(300.0, ok=False), run(200.0), run(0.0, error='died')])
+    assert best['output_tokens_per_s'] == 200.0                          # a mismatched run is never chosen
+    assert [r['output_tokens_per_s'] for r in best['runs']] == [100.0, 300.0, 200.0, 0.0]
+    assert best['runs'][3]['error'] == 'died' and best['runs'][0]['ttft_p99_ms'] == 1000.0
+    assert bench.best_run([run(0.0, error='a'), run(0.0, error='b')])['error'] == 'a'   # all failed: still reported
