@@ -54,7 +54,7 @@ from common import (LLAMACPP_EXTRA_BUFTS_HELP, add_engine_args, alternating, loa
 from prompts import ProseCorpus, parse_range, resolve_model_dir
 # the servers (profile_triton.py and the tests reach them through this module too)
 from serving_servers import (LLAMA_SERVER, VLLM_VENV, Server, check_runnable, free_port, process_tree,  # noqa: F401
-                             server_specs, start, stop, tail, tree_cpu_seconds, tree_peak_rss_mib)
+                             peak_rss_mib, server_specs, start, stop, tail, tree_cpu_seconds, tree_peak_rss_mib)
 SERVER_KINDS = ('lmd', 'lmd-turbomind', 'lmd-pytorch', 'llama-server', 'llama-server-f16', 'vllm')
 # for --dry-run's duration estimate: (startup s, prefill tok/s, output tok/s at 16-32 concurrent), rough
 # rates on a quiet 2-core Zen 3 from this directory's README (vLLM: a guess; its first start compiles)

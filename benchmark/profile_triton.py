@@ -258,15 +258,7 @@ def stub_model(pid: int) -> str | None:
 def triton_path_peak_rss_mib(pid: int, path: str) -> float:
     """Peak RSS of tritonserver itself plus the stubs of ``path``'s models: the other path's models share the
     server but sit idle, and the api_server holds one engine, not two."""
-    pids = [pid] + [p for p in rest.process_tree(pid)[1:] if stub_model(p) in PATH_MODELS[path]]
-    total = 0
-    for p in pids:
-        try:
-            with open(f'/proc/{p}/status') as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
-        except (OSError, StopIteration):
-            pass
-    return round(total / 1024, 1)
+    return rest.peak_rss_mib([pid] + [p for p in rest.process_tree(pid)[1:] if stub_model(p) in PATH_MODELS[path]])
 
 
 def build_triton_repository(args, repo: str) -> None:

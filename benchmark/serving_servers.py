@@ -183,9 +183,14 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def tree_peak_rss_mib(pid: int) -> float:
-    """Sum of every process's peak RSS (VmHWM); shared pages count once per process."""
+    """Sum of every process's peak RSS (VmHWM) in ``pid``'s tree; shared pages count once per process."""
+    return peak_rss_mib(process_tree(pid))
+
+
+def peak_rss_mib(pids: list[int]) -> float:
+    """Sum of the processes' peak RSS (VmHWM), MiB; a process gone meanwhile counts 0."""
     total = 0
-    for p in process_tree(pid):
+    for p in pids:
         try:
             with open(f'/proc/{p}/status') as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
