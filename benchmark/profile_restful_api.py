@@ -49,12 +49,12 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (LLAMACPP_EXTRA_BUFTS_HELP, add_engine_args, alternating, load_average, log, percentiles,
-                    ratio)
+from common import add_engine_args, add_llamacpp_extra_bufts_arg, alternating, load_average, log, percentiles, ratio
+from gguf_files import LLAMA_SERVER
 from prompts import ProseCorpus, parse_range, resolve_model_dir
-# the servers (profile_triton.py and the tests reach them through this module too)
-from serving_servers import (LLAMA_SERVER, VLLM_VENV, Server, check_runnable, free_port, process_tree,  # noqa: F401
-                             peak_rss_mib, server_specs, start, stop, tail, tree_cpu_seconds, tree_peak_rss_mib)
+from serving_servers import (VLLM_VENV, Server, check_runnable, server_specs, start, stop, tree_cpu_seconds,
+                             tree_peak_rss_mib)
+
 SERVER_KINDS = ('lmd', 'lmd-turbomind', 'lmd-pytorch', 'llama-server', 'llama-server-f16', 'vllm')
 # for --dry-run's duration estimate: (startup s, prefill tok/s, output tok/s at 16-32 concurrent), rough
 # rates on a quiet 2-core Zen 3 from this directory's README (vLLM: a guess; its first start compiles)
@@ -415,8 +415,7 @@ def parse_args(argv=None):
     p.add_argument('--lmd-args', default='', help='more lmd api_server flags, e.g. "--model-format gguf"')
     p.add_argument('--gguf', default=None, help='llama-server model (default: the shipped SmolLM2 Q4_1 GGUF)')
     p.add_argument('--llama-server', default=LLAMA_SERVER)
-    p.add_argument('--llamacpp-extra-bufts', choices=('auto', 'on', 'off'), default='auto',
-                   help=LLAMACPP_EXTRA_BUFTS_HELP)
+    add_llamacpp_extra_bufts_arg(p)
     p.add_argument('--llama-args', default='', help='more llama-server flags')
     p.add_argument('--vllm-venv', default=VLLM_VENV)
     p.add_argument('--vllm-dtype', default='float32', choices=('float32', 'bfloat16', 'float16'),
@@ -486,17 +485,15 @@ def main(argv=None) -> int:
         return 0
     log_dir = args.log_dir or tempfile.mkdtemp(prefix='lmd-serving-bench-')
     os.makedirs(log_dir, exist_ok=True)
-    runs: dict[str, list[dict]] = {s.name: [] for s in servers}
-    for rep, name in alternating([s.name for s in servers], args.repeats):
-        # a fresh spec (and port) each time: the last run's socket may still be closing
-        s = servers[[x.name for x in servers].index(name)] if rep == 0 else \
-            next(x for x in server_specs(args, model_dir) if x.name == name)
+    runs: list[list[dict]] = [[] for _ in servers]
+    for rep, i in alternating(list(range(len(servers))), args.repeats):
+        # after the first, a fresh spec (and port) each time: the last run's socket may still be closing
+        s = servers[i] if rep == 0 else server_specs(args, model_dir)[i]
         if args.repeats > 1:
-            log(f'{name}: repeat {rep + 1} of {args.repeats}')
-        r = bench_server(s, requests, warmup, args, log_dir)
-        runs[name].append(r)
-        print(block(r), flush=True)
-    results = [best_run(runs[s.name]) for s in servers]
+            log(f'{s.name}: repeat {rep + 1} of {args.repeats}')
+        runs[i].append(bench_server(s, requests, warmup, args, log_dir))
+        print(block(runs[i][-1]), flush=True)
+    results = [best_run(r) for r in runs]
     table = markdown_table(results)
     print('\n' + table)
     report = {**plan, 'log_dir': log_dir, 'results': results, 'markdown_table': table}

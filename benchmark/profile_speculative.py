@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -150,8 +149,8 @@ def parse_args(argv=None):
     p.add_argument('--draft-model', default=None,
                    help='also run draft_target with this draft model (any model of the same vocabulary)')
     p.add_argument('--f16', action='store_true',
-                   help="target: the shipped GGUF written at F16 (kept in the system's temp folder); draft model: "
-                        'the shipped Q4_1 file unless --draft-model names another')
+                   help='target: the shipped GGUF written at F16 (the copy compare_llamacpp.py writes, '
+                        'gguf_files.f16_gguf); draft model: the shipped Q4_1 file unless --draft-model names another')
     return p.parse_args(argv)
 
 
@@ -159,14 +158,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     set_threads(args.num_threads)
     load_start = load_average()
-    from gguf_files import shipped_gguf, write_f16_gguf
+    from gguf_files import f16_gguf, shipped_gguf
     model = args.model or shipped_gguf()
     if args.f16:
-        f16 = os.path.join(tempfile.gettempdir(), os.path.basename(model).replace('.gguf', '.F16.gguf'))
-        if not os.path.isfile(f16):
-            log(f'writing {f16} from {model}')
-            write_f16_gguf(model, f16)
-        model, args.draft_model = f16, args.draft_model or model
+        model, args.draft_model = f16_gguf(model)[0], args.draft_model or model
     text = passage()
     messages = {task: [{'role': 'user', 'content': t.format(passage=text)}] for task, t in TASKS.items()}
     ks = [int(k) for k in args.num_draft_tokens.split(',')]

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_restful_api as rest
+import serving_servers as servers
 from common import add_engine_args, load_average, log, ratio
 from prompts import parse_range, resolve_model_dir
 
@@ -195,11 +196,11 @@ def rest_args(args) -> argparse.Namespace:
 def bench_api_server(args, requests, warmup, model_dir: str, log_dir: str) -> dict:
     """Start lmd's api_server as profile_restful_api does, time it, stop it."""
     ra = rest_args(args)
-    server = rest.server_specs(ra, model_dir)[0]
+    server = servers.server_specs(ra, model_dir)[0]
     info = {'command': ' '.join(server.cmd), 'weights': server.weights}
     try:
         t = time.perf_counter()
-        rest.start(server, log_dir, args.startup_timeout)
+        servers.start(server, log_dir, args.startup_timeout)
         info.update(startup_s=round(time.perf_counter() - t, 1), log=server.log_path)
         model = rest.served_model(server.base_url, None)
         r = bench_path('api_server', lambda reqs: asyncio.run(rest.run_load(server.base_url, model, reqs, ra)),
@@ -207,7 +208,7 @@ def bench_api_server(args, requests, warmup, model_dir: str, log_dir: str) -> di
     except Exception as e:  # noqa: BLE001  (the Triton paths still run)
         r = {'error': f'api_server: {type(e).__name__}: {e}'}
     finally:
-        rest.stop(server)
+        servers.stop(server)
     return {'server': 'api_server', 'path': 'api_server', 'kind': 'lmd', 'base_url': server.base_url, **info, **r}
 
 
@@ -222,7 +223,7 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
             bad = [r.error or 'no text' for r in res if not r.ok]
             if bad:
                 raise RuntimeError(f'warmup failed: {bad[0]}')
-        cpu0 = rest.tree_cpu_seconds(pid) if pid else None
+        cpu0 = servers.tree_cpu_seconds(pid) if pid else None
         load0, client0 = load_average()[0], time.process_time()
         log(f'{path}: {len(requests)} requests')
         results, duration = load(requests)
@@ -231,8 +232,8 @@ def bench_path(path: str, load, pid: int | None, requests, warmup, tokenizer=Non
         out.update(rest.summarize(requests, results, duration, 'chat'))
         out['client_cpu_utilization'] = round((time.process_time() - client0) / duration, 3)
         if pid:
-            out['server_cpu_utilization'] = round((rest.tree_cpu_seconds(pid) - cpu0) / duration, 2)
-            out['server_peak_rss_mib'] = peak_rss() if peak_rss else rest.tree_peak_rss_mib(pid)
+            out['server_cpu_utilization'] = round((servers.tree_cpu_seconds(pid) - cpu0) / duration, 2)
+            out['server_peak_rss_mib'] = peak_rss() if peak_rss else servers.tree_peak_rss_mib(pid)
         out['load_average'] = [load0, load_average()[0]]
         out['texts'] = {r.index: r.text for r in results if r.ok}
         out['sample_text'] = {r.index: r.text[:160] for r in results[:3] if r.ok}
@@ -258,7 +259,8 @@ def stub_model(pid: int) -> str | None:
 def triton_path_peak_rss_mib(pid: int, path: str) -> float:
     """Peak RSS of tritonserver itself plus the stubs of ``path``'s models: the other path's models share the
     server but sit idle, and the api_server holds one engine, not two."""
-    return rest.peak_rss_mib([pid] + [p for p in rest.process_tree(pid)[1:] if stub_model(p) in PATH_MODELS[path]])
+    stubs = [p for p in servers.process_tree(pid)[1:] if stub_model(p) in PATH_MODELS[path]]
+    return servers.peak_rss_mib([pid] + stubs)
 
 
 def build_triton_repository(args, repo: str) -> None:
@@ -276,8 +278,8 @@ def start_triton(args, log_dir: str):
     repo = os.path.join(log_dir, 'triton_repository')
     log(f'building the Triton model repository in {repo}')
     build_triton_repository(args, repo)
-    server = TritonServer(repo, http_port=rest.free_port(), grpc_port=rest.free_port(),
-                          metrics_port=rest.free_port(), log_path=os.path.join(log_dir, 'tritonserver.log'))
+    server = TritonServer(repo, http_port=servers.free_port(), grpc_port=servers.free_port(),
+                          metrics_port=servers.free_port(), log_path=os.path.join(log_dir, 'tritonserver.log'))
     log(f'starting tritonserver on {repo}')
     return server.start(args.startup_timeout)
 

@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass
 
 from common import llamacpp_extra_bufts, log
+from gguf_files import f16_gguf
 
-LLAMACPP_DIR = os.environ.get('LMD_LLAMACPP_DIR', os.path.expanduser('~/.cache/lmd/llama.cpp'))
-LLAMA_SERVER = os.path.join(LLAMACPP_DIR, 'build', 'bin', 'llama-server')
 VLLM_VENV = os.environ.get('LMD_VLLM_VENV', os.path.expanduser('~/.cache/lmd/vllm-venv'))
 
 
@@ -57,7 +56,7 @@ def server_specs(args, model_dir: str) -> list[Server]:
             weights = f'{args.model}, {backend}, model_format {fmt or "auto"}, dtype {dtype or "auto"}'
             servers.append(Server(name, 'lmd', cmd, base, f'{weights} {args.lmd_args}'.strip()))
         elif name.startswith('llama-server'):
-            gguf = f16_gguf(args.gguf) if name == 'llama-server-f16' else args.gguf
+            gguf = f16_gguf(args.gguf)[0] if name == 'llama-server-f16' else args.gguf
             repack = [] if llamacpp_extra_bufts(args.llamacpp_extra_bufts) else ['--no-repack']
             cmd = [args.llama_server, '-m', gguf, *repack, '-t', str(args.num_threads), '-tb', str(args.num_threads),
                    '-np', str(args.max_batch_size), '-cb', '-c', str(args.max_batch_size * ctx),
@@ -78,17 +77,6 @@ def server_specs(args, model_dir: str) -> list[Server]:
             weights = f'HF dir {os.path.basename(model_dir)}, dtype {args.vllm_dtype}'
             servers.append(Server(name, 'vllm', cmd, base, weights, env))
     return servers
-
-
-def f16_gguf(q4: str) -> str:
-    """The F16 GGUF compare_llamacpp.py uses, written from ``q4`` once."""
-    from gguf_files import write_f16_gguf
-    path = os.path.join(LLAMACPP_DIR, os.path.basename(q4).rsplit('.', 2)[0] + '.F16.gguf')
-    if not os.path.isfile(path):
-        log(f'writing {path} from {q4}')
-        os.makedirs(LLAMACPP_DIR, exist_ok=True)
-        write_f16_gguf(q4, path)
-    return path
 
 
 def check_runnable(s: Server) -> str | None:

@@ -34,6 +34,7 @@ from .block_manager import BlockManager
 from .loading import load_model
 from .distributed import RankFailure, check_parallel_config
 from .model_runner import ModelRunner
+from .sampler import Sampler, SamplingState, greedy_ids
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .speculative import build_proposer
@@ -69,8 +70,6 @@ class _Call:
 class PytorchEngine(Engine):
 
     def __init__(self, model_dir: str, config: PytorchEngineConfig | None = None):
-        from .sampler import Sampler
-
         cfg = config or PytorchEngineConfig()
         device = torch.device(cfg.device)
         if device.type == 'cuda' and not torch.cuda.is_available():
@@ -357,8 +356,6 @@ class PytorchEngine(Engine):
                     self._lose_ranks(e)
 
     def _on_add(self, message: _Add) -> None:
-        from .sampler import SamplingState
-
         request = message.request
         sid = request.session_id
         seq = self._seqs.get(sid)
@@ -458,8 +455,6 @@ class PytorchEngine(Engine):
         """Take ``seq``'s tokens from its drafted step's rows ``row`` .. ``row + len(draft)`` (speculative.py):
         each chosen by the sampler from the request's state so far and handed on as any generated token,
         until one differs from the draft or the request ends; then keep the accepted drafts' KV."""
-        from .sampler import greedy_ids
-
         draft = seq.draft_token_ids
         seq.draft_token_ids = ()
         state = seq.sampling_state

@@ -13,6 +13,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 import profile_restful_api as rest
 import profile_triton as bench
+import serving_servers as servers
 
 
 @pytest.fixture(scope='module')
@@ -132,7 +133,7 @@ def test_answers_are_compared_with_the_api_servers(tokenizer):
 
 
 def test_an_unreachable_triton_fails_its_paths_with_the_reason(tmp_path, capsys):
-    url = f'127.0.0.1:{rest.free_port()}'  # nothing listens there
+    url = f'127.0.0.1:{servers.free_port()}'  # nothing listens there
     out = tmp_path / 'r.json'
     rc = bench.main(['--paths', 'ensemble,lmd_model', '--quick', '--triton-url', url, '--json', str(out)])
     assert rc == 2

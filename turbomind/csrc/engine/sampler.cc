@@ -84,9 +84,6 @@ void process_row(const float * x, int64_t V, const SamplingState & s, float * ou
     }
 }
 
-// the greedy id: ties keep the lowest id, the first NaN wins (cpu/argmax.h, torch.argmax)
-int32_t argmax(const float * x, int64_t V) { return lmd::cpu::argmax_row(x, V); }
-
 // The k best ids of x, best first, into ids[0, k).
 void top_k_ids(const float * x, int64_t V, int64_t k, RowScratch & sc) {
     const Better better{x};
@@ -198,7 +195,7 @@ Candidates row_candidates(const float * x, int64_t V, const SamplingParams & p, 
     // the whole row's probabilities (top_p and min_p are measured against them)
     sc.probs.resize(V);
     float * w = sc.probs.data();
-    const float top = x[argmax(x, V)];
+    const float top = x[lmd::cpu::argmax_row(x, V)];
     double total = 0.0;
     for (int64_t i = 0; i < V; ++i) {
         w[i] = std::exp((x[i] - top) * inv_t);  // the best token weighs exactly 1
@@ -260,7 +257,7 @@ const float * processed_row(const float * raw, int64_t V, const SamplingState & 
 int32_t sample_row(const float * raw, int64_t V, const SamplingState & s, const int32_t * bitmask, double u,
                    RowScratch & sc) {
     const float * x = processed_row(raw, V, s, bitmask, sc);
-    const int32_t best = argmax(x, V);
+    const int32_t best = lmd::cpu::argmax_row(x, V);
     // every token masked (or NaN): nothing to draw from, take the argmax's pick
     if (s.greedy || !(x[best] > kNegInf)) return best;
     return draw(row_candidates(x, V, s.params, sc), u);
@@ -269,7 +266,7 @@ int32_t sample_row(const float * raw, int64_t V, const SamplingState & s, const 
 // log_softmax of the raw row: the chosen token's, then the k best alternatives (chosen skipped)
 void row_logprobs(const float * raw, int64_t V, int32_t chosen, int64_t k, RowScratch & sc,
                   std::vector<TokenLogprob> & out) {
-    const float top = raw[argmax(raw, V)];
+    const float top = raw[lmd::cpu::argmax_row(raw, V)];
     double sum = 0.0;
     for (int64_t i = 0; i < V; ++i) sum += std::exp((double) raw[i] - top);
     const double lse = (double) top + std::log(sum);
@@ -418,7 +415,7 @@ void Sampler::distribution(const float * logits, int64_t batch, int64_t vocab, i
         std::fill(o, o + vocab, 0.0f);
         const SamplingState & s = *states[i];
         const float * x = processed_row(logits + i * row_stride, vocab, s, nullptr, sc);
-        const int32_t best = argmax(x, vocab);
+        const int32_t best = lmd::cpu::argmax_row(x, vocab);
         if (s.greedy || !(x[best] > kNegInf)) {
             o[best] = 1.0f;
             continue;
